@@ -1,0 +1,7 @@
+"""specdec: an LLM inference engine built around lossless speculative decoding."""
+from specdec.llm import LLM
+from specdec.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
+from specdec.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "SpecDecodeStats", "__version__"]

@@ -1,0 +1,127 @@
+"""EngineConfig and SpeculativeConfig: slotted dataclasses validated on construction."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+
+SPEC_METHODS = ("draft_model", "ngram", "suffix", "replay")
+MAX_SPEC_TOKENS = 16
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    method: str = "draft_model"
+    model: str | None = None  # draft model (method == "draft_model")
+    num_speculative_tokens: int | str = 5  # an int in 1..16, or "auto" (adaptive, up to max_num_speculative_tokens)
+    max_num_speculative_tokens: int = 8  # the ceiling for "auto"
+    dtype: str = "auto"  # the draft's own dtype ("auto": the target's)
+    quantization: str | None = None  # "int8": weight-only int8 for the draft
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    acceptance: float = 0.8  # "replay" (benchmark only): probability a proposed token is kept correct
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model (the draft model) is required for method 'draft_model'")
+        k = self.num_speculative_tokens
+        if k == "auto":
+            if not 1 <= self.max_num_speculative_tokens <= MAX_SPEC_TOKENS:
+                raise ValueError(
+                    f"speculative_config.max_num_speculative_tokens must be in 1..{MAX_SPEC_TOKENS}, "
+                    f"got {self.max_num_speculative_tokens}"
+                )
+        elif not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPEC_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be in 1..{MAX_SPEC_TOKENS} or 'auto', got {k!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"speculative_config.quantization must be None or 'int8', got {self.quantization!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config needs 1 <= prompt_lookup_min ({self.prompt_lookup_min}) "
+                f"<= prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if not 0.0 <= self.acceptance <= 1.0:
+            raise ValueError(f"speculative_config.acceptance must be in [0, 1], got {self.acceptance}")
+
+    @property
+    def is_adaptive(self) -> bool:
+        return self.num_speculative_tokens == "auto"
+
+    @property
+    def max_k(self) -> int:
+        return self.max_num_speculative_tokens if self.is_adaptive else int(self.num_speculative_tokens)
+
+    @classmethod
+    def from_any(cls, value, **legacy) -> SpeculativeConfig | None:
+        """dict / JSON string / SpeculativeConfig / None, plus the old keyword form."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if value is None and legacy.get("speculative_model"):
+            value = {"method": "draft_model", "model": legacy["speculative_model"]}
+            if legacy.get("num_speculative_tokens") is not None:
+                value["num_speculative_tokens"] = legacy["num_speculative_tokens"]
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = set(value) - known
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**value)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # default: the model's max_position_embeddings (capped at 8192)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes of KV cache on CPU (default: 2 GiB, or what max_num_seqs * max_model_len needs if less)
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    quantization: str | None = None  # "int8": weight-only int8 for the target (changes outputs: opt-in)
+    speculative_config: SpeculativeConfig | None = None
+    attention_backend: str = "auto"  # "torch" (reference) or "triton" (GPU)
+    num_threads: int | None = None
+    spec_cost_calibration: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
+            self.max_num_batched_tokens = self.max_model_len
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
+        spec = SpeculativeConfig.from_any(
+            kwargs.pop("speculative_config", None),
+            speculative_model=kwargs.pop("speculative_model", None),
+            num_speculative_tokens=kwargs.pop("num_speculative_tokens", None),
+        )
+        known = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {sorted(unknown)}")
+        return cls(model=model, speculative_config=spec, **kwargs)

@@ -1,0 +1,189 @@
+"""Assemble an engine's parts from an EngineConfig: device, models, KV cache, scheduler, proposer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specdec.config import EngineConfig
+from specdec.engine.kv_cache_manager import KVCacheManager
+from specdec.engine.output_processor import OutputProcessor
+from specdec.engine.scheduler import Scheduler
+from specdec.layers.quantization import prepare_for_inference
+from specdec.models.loader import load_config, load_model, resolve_model_path
+from specdec.runtime.device import apply_platform_defaults, resolve_device, resolve_dtype
+from specdec.runtime.model_runner import ModelRunner
+from specdec.spec.controller import SpecController
+from specdec.spec.metrics import SpecDecodeMetrics
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+@dataclass
+class EngineParts:
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: Any
+    model_path: str
+    model_config: Any
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    runner: ModelRunner
+    kv: KVCacheManager
+    scheduler: Scheduler
+    proposer: Any
+    spec_controller: SpecController | None
+    spec_metrics: SpecDecodeMetrics
+    output: OutputProcessor
+    draft_runner: ModelRunner | None = None
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - any tokenizer failure is one clear error
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from None
+
+
+def eos_ids(path: str, tokenizer, config) -> tuple[int, ...]:
+    ids: list[int] = []
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(path)
+        e = gen.eos_token_id
+        ids.extend(e if isinstance(e, list) else [e] if e is not None else [])
+    except (OSError, ValueError):
+        pass
+    e = getattr(config, "eos_token_id", None)
+    ids.extend(e if isinstance(e, list) else [e] if e is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def _max_model_len(config, requested: int | None) -> int:
+    limit = getattr(config, "max_position_embeddings", None) or MAX_DEFAULT_MODEL_LEN
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) is not False:
+        limit = min(limit, window)  # no sliding-window attention yet: stay inside the window
+    if requested is None:
+        return min(limit, MAX_DEFAULT_MODEL_LEN)
+    if requested > limit:
+        raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit} positions")
+    return requested
+
+
+def _num_blocks(cfg: EngineConfig, device, bytes_per_block: int, max_model_len: int, max_k: int) -> int:
+    per_seq_blocks = -(-(max_model_len + max_k + 1) // cfg.block_size)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - total * (1.0 - cfg.gpu_memory_utilization))
+    elif cfg.kv_cache_memory is not None:
+        budget = cfg.kv_cache_memory
+    else:
+        budget = min(DEFAULT_CPU_KV_BYTES, cfg.max_num_seqs * per_seq_blocks * bytes_per_block)
+    num_blocks = budget // bytes_per_block
+    if num_blocks < per_seq_blocks:
+        raise ValueError(
+            f"KV cache of {budget} bytes holds {num_blocks} blocks of {cfg.block_size} tokens; one sequence of "
+            f"max_model_len={max_model_len} needs {per_seq_blocks}: raise kv_cache_memory or lower max_model_len"
+        )
+    return num_blocks
+
+
+def build_engine_parts(cfg: EngineConfig) -> EngineParts:
+    device = resolve_device(cfg.device)
+    apply_platform_defaults(device)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    torch.manual_seed(cfg.seed)
+    dtype = resolve_dtype(cfg.dtype, device)
+    path = resolve_model_path(cfg.model)
+    config = load_config(path)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.tokenizer) if cfg.tokenizer else path)
+    max_model_len = _max_model_len(config, cfg.max_model_len)
+    attn_fn = _attention_backend(cfg, device)
+    model = prepare_for_inference(load_model(path, dtype, device, attn_fn, config), cfg.quantization, device)
+
+    spec = cfg.speculative_config
+    max_k = spec.max_k if spec else 0
+    bytes_per_block = ModelRunner.kv_bytes_per_block(config, cfg.block_size, dtype)
+    draft_model = draft_cfg = draft_dtype = None
+    if spec is not None and spec.method == "draft_model":
+        draft_path = resolve_model_path(spec.model)
+        draft_cfg = load_config(draft_path)
+        check_vocab_compatible(tokenizer, config, load_tokenizer(draft_path), draft_cfg, draft_path)
+        draft_dtype = dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, device)
+        draft_model = prepare_for_inference(
+            load_model(draft_path, draft_dtype, device, attn_fn, draft_cfg), spec.quantization, device)
+        bytes_per_block += ModelRunner.kv_bytes_per_block(draft_cfg, cfg.block_size, draft_dtype)
+    num_blocks = _num_blocks(cfg, device, bytes_per_block, max_model_len, max_k)
+    runner = ModelRunner(model, num_blocks, cfg.block_size, device, dtype)
+    kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+    scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len, cfg.enable_chunked_prefill)
+    draft_runner = ModelRunner(draft_model, num_blocks, cfg.block_size, device, draft_dtype) if draft_model else None
+    vocab_size = config.vocab_size
+    proposer = build_proposer(spec, draft_runner, kv, vocab_size) if spec else None
+    controller = SpecController.build(spec, proposer, runner, draft_runner, cfg) if spec else None
+    return EngineParts(
+        device=device, dtype=dtype, tokenizer=tokenizer, model_path=path, model_config=config,
+        max_model_len=max_model_len, vocab_size=vocab_size, eos_token_ids=eos_ids(path, tokenizer, config),
+        runner=runner, kv=kv, scheduler=scheduler, proposer=proposer, spec_controller=controller,
+        spec_metrics=SpecDecodeMetrics(method=spec.method if spec else "none"),
+        output=OutputProcessor(tokenizer, max_model_len), draft_runner=draft_runner,
+    )
+
+
+def _attention_backend(cfg: EngineConfig, device):
+    from specdec.layers.attention import paged_attention_reference
+
+    if cfg.attention_backend == "torch" or (cfg.attention_backend == "auto" and device.type != "cuda"):
+        return paged_attention_reference
+    try:
+        from specdec.kernels.paged_attention import paged_attention_triton
+    except ImportError as e:
+        if cfg.attention_backend == "triton":
+            raise ValueError(f"attention_backend='triton' needs triton: {e}") from None
+        return paged_attention_reference
+    return paged_attention_triton
+
+
+def check_vocab_compatible(tokenizer, config, draft_tokenizer, draft_config, draft_path: str) -> None:
+    """The draft must speak the target's token ids: same vocabulary (padding beyond it is fine)."""
+    if tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+        raise ValueError(
+            f"draft model {draft_path!r} has a different tokenizer from the target "
+            f"({len(draft_tokenizer)} vs {len(tokenizer)} tokens): its token ids would not mean the same thing"
+        )
+    if draft_config.vocab_size < len(tokenizer):
+        raise ValueError(
+            f"draft vocab_size {draft_config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens"
+        )
+
+
+def build_proposer(spec, draft_runner, kv, vocab_size):
+    from specdec.spec.proposer import TokenListProposer
+
+    if spec.method == "draft_model":
+        from specdec.spec.draft_model import DraftModelProposer
+
+        return DraftModelProposer(draft_runner, kv, vocab_size)
+    if spec.method == "ngram":
+        from specdec.spec.ngram import NgramProposer
+
+        return TokenListProposer(NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.max_k), "ngram")
+    if spec.method == "suffix":
+        from specdec.spec.suffix import SuffixProposer
+
+        return TokenListProposer(SuffixProposer(spec.max_k), "suffix")
+    if spec.method == "replay":
+        from specdec.spec.replay import ReplayProposer
+
+        return ReplayProposer(spec.acceptance, vocab_size)
+    raise ValueError(f"unknown speculative method {spec.method!r}")

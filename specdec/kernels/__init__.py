@@ -1,0 +1,19 @@
+"""Triton kernels: one source for CUDA and ROCm, each tested against its pure-torch reference
+(on CPU under TRITON_INTERPRET=1). Importing this package does not import Triton; the CPU
+engine never needs it. Kernel modules (`paged_attention`, `kv_cache`, `rejection_sampler`,
+`top_k_top_p`) import Triton themselves; `graphs` does not need it."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its numpy interpreter (TRITON_INTERPRET=1), the mode
+    used to test kernels on CPU tensors. Decided when a kernel is defined, so set the variable
+    before importing a kernel module."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")

@@ -1,0 +1,118 @@
+"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)`` and ``.chat(...)``."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from specdec.config import EngineConfig
+from specdec.engine.engine import LLMEngine
+from specdec.outputs import RequestOutput
+from specdec.sampling_params import SamplingParams
+
+PromptType = str | list[int]
+
+
+class LLM:
+    """vLLM-compatible offline entry point. Keyword arguments are ``EngineConfig`` fields,
+    plus ``speculative_config`` (dict / JSON) or the older ``speculative_model`` +
+    ``num_speculative_tokens``."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        if model is None:
+            from specdec.models.default import default_engine_kwargs
+
+            model, defaults = default_engine_kwargs()
+            for key, value in defaults.items():
+                kwargs.setdefault(key, value)
+        self.config = EngineConfig.from_kwargs(model, **kwargs)
+        self.engine = LLMEngine(self.config)
+        self._counter = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):  # vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return self._encode(prompt["prompt"])
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        encoded = [self._encode(p) for p in prompts]
+        for _, ids in encoded:  # validate everything before anything is queued
+            self.engine.validate_prompt(ids)
+        ids = []
+        for (text, token_ids), sp in zip(encoded, params):
+            rid = str(next(self._counter))
+            self.engine.add_request(rid, token_ids, sp, prompt=text)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            self.engine.abort_request(ids)  # an interrupted generate leaves no request behind
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; pass chat_template=...")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def get_metrics(self) -> dict:
+        return self.engine.get_metrics()

@@ -1,0 +1,20 @@
+"""The embedded default pair: SmolLM2-135M-Instruct (pulled from PyPI on first use) as the
+target and a draft distilled from it by ``specdec train-draft``, shipped inside the package."""
+from __future__ import annotations
+
+from pathlib import Path
+
+DEFAULT_TARGET = "SmolLM2-135M-Instruct"
+DEFAULT_DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "default_draft"
+DEFAULT_NUM_SPEC_TOKENS = 5
+
+
+def default_engine_kwargs() -> tuple[str, dict]:
+    if not (DEFAULT_DRAFT_DIR / "config.json").is_file():
+        raise ValueError(f"the embedded default draft is missing from {DEFAULT_DRAFT_DIR}; pass model=... explicitly")
+    return DEFAULT_TARGET, {
+        "speculative_config": {
+            "method": "draft_model", "model": str(DEFAULT_DRAFT_DIR),
+            "num_speculative_tokens": DEFAULT_NUM_SPEC_TOKENS,
+        }
+    }

@@ -1,0 +1,169 @@
+"""GGUF file -> plain Hugging Face folder (bf16 `model.safetensors`, config, tokenizer, EOS ids).
+
+The heavy lifting is transformers' own GGUF support, not hand-written dequantization:
+`load_gguf_checkpoint` dequantizes every ggml type (via the `gguf` package), maps llama.cpp
+tensor names to transformers names and undoes llama.cpp's Q/K row permutation of Llama
+attention weights; `AutoConfig` / `AutoTokenizer` with `gguf_file=` rebuild the config and a
+fast tokenizer from the metadata. This file adds what they leave out: a meta-device model to
+name the tensors (so no `accelerate` and no fp32 copy of the whole model), a completeness check,
+two tokenizer fixes that make the rebuilt tokenizer match the upstream `tokenizer.json`, and a
+`generation_config.json` with every end-of-generation id llama.cpp would stop on.
+
+`convert_gguf` writes into a fresh folder and is not atomic by itself; `hub.py` builds in a
+temporary folder and renames it into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+# llama.cpp (llama-vocab.cpp) stops on these besides the eos/eot/eom ids the file names.
+_END_OF_GENERATION_TOKENS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+    "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+)
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
+                 progress: bool = True) -> Path:
+    """Write `out_dir/{model.safetensors,config.json,tokenizer*.json,generation_config.json}`.
+
+    `out_dir` must not exist yet or be empty. Raises ValueError for an architecture outside
+    SUPPORTED_ARCHITECTURES or a file whose tensors do not cover the model.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if any(out_dir.iterdir()):
+        raise FileExistsError(f"conversion target {out_dir} is not empty")
+    metadata = read_gguf_metadata(gguf_path)
+    config = read_config(gguf_path)
+    config.dtype = dtype
+    tensors = read_weights(gguf_path, config, metadata, dtype=dtype, progress=progress)
+    save_weights(tensors, out_dir / "model.safetensors")
+    config.save_pretrained(out_dir)
+    read_tokenizer(gguf_path, metadata).save_pretrained(out_dir)
+    build_generation_config(metadata, config).save_pretrained(out_dir)
+    return out_dir
+
+
+def read_gguf_metadata(gguf_path: Path) -> dict:
+    """The few metadata fields this file needs, plus the tensor names (no tensor data read)."""
+    from transformers.integrations.gguf import read_gguf_metadata as read_fast
+
+    metadata, tensor_names = read_fast(str(gguf_path), ("tokenizer.ggml.tokens",))
+    architecture = metadata["general.architecture"]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{gguf_path}: GGUF architecture {architecture!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return {
+        "architecture": architecture,
+        "tensor_names": list(tensor_names),
+        "tokens": metadata.get("tokenizer.ggml.tokens", []),
+        "pre_tokenizer": metadata.get("tokenizer.ggml.pre"),
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+        "eos_token_ids": [metadata.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")],
+    }
+
+
+def read_config(gguf_path: Path):
+    """transformers' config for the file, marked bf16 and with its model class named."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    config.__dict__.pop("_model_name_or_path", None)  # the GGUF's `general.name`, not a path
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    config.architectures = [model_class.__name__]
+    return config
+
+
+def read_weights(gguf_path: Path, config, metadata: dict, *, dtype: torch.dtype,
+                 progress: bool) -> dict[str, torch.Tensor]:
+    """Dequantized tensors under transformers names, each checked against the model's shape."""
+    from transformers import AutoModelForCausalLM
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    if "rope_freqs.weight" in metadata["tensor_names"]:
+        # Llama-3.1-style rope scaling lives in this tensor; transformers' GGUF config ignores it.
+        raise ValueError(f"{gguf_path}: GGUF with rope_freqs (Llama 3.1 rope scaling) is not supported")
+    with torch.device("meta"):  # names and shapes only: no memory, no init
+        model = AutoModelForCausalLM.from_config(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    with _tqdm_in(gguf_utils, disable=not progress):
+        parsed = gguf_utils.load_gguf_checkpoint(str(gguf_path), return_tensors=True,
+                                                 model_to_load=model, torch_dtype=dtype)
+    tensors = {name: t.contiguous() for name, t in parsed["tensors"].items() if name in expected}
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ValueError(f"{gguf_path}: GGUF lacks {len(missing)} tensors the model needs, "
+                         f"e.g. {missing[:5]}")
+    wrong = [(n, tuple(t.shape), expected[n]) for n, t in tensors.items() if tuple(t.shape) != expected[n]]
+    if wrong:
+        raise ValueError(f"{gguf_path}: tensor shapes differ from the config, e.g. {wrong[:3]}")
+    return tensors
+
+
+def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def read_tokenizer(gguf_path: Path, metadata: dict):
+    """transformers' tokenizer rebuilt from GGUF metadata, with its pre-tokenization fixed up.
+
+    llama.cpp names the upstream pre-tokenizer (`tokenizer.ggml.pre`); transformers rebuilds
+    some of them only approximately: SmolLM splits every digit before the byte-level regex,
+    Qwen2 NFC-normalizes first. Both are what the upstream tokenizer.json files say.
+    """
+    from tokenizers import normalizers, pre_tokenizers
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    for loading_flag in ("is_local", "local_files_only"):  # how it was loaded, not what it is
+        tokenizer.init_kwargs.pop(loading_flag, None)
+    backend = tokenizer.backend_tokenizer
+    if metadata["pre_tokenizer"] == "smollm":
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ])
+    elif metadata["pre_tokenizer"] == "qwen2":
+        backend.normalizer = normalizers.NFC()
+    return tokenizer
+
+
+def build_generation_config(metadata: dict, config):
+    """EOS = the file's eos/eot/eom ids plus every end-of-generation token llama.cpp knows."""
+    from transformers import GenerationConfig
+
+    eos_ids = [i for i in metadata["eos_token_ids"] if i is not None]
+    eos_ids += [i for i, token in enumerate(metadata["tokens"]) if token in _END_OF_GENERATION_TOKENS]
+    eos_ids = list(dict.fromkeys(int(i) for i in eos_ids))  # dedupe, keep the file's eos first
+    bos_id = metadata["bos_token_id"]
+    pad_id = metadata["pad_token_id"]
+    return GenerationConfig(
+        bos_token_id=int(bos_id) if bos_id is not None else None,
+        eos_token_id=eos_ids if len(eos_ids) != 1 else eos_ids[0],
+        pad_token_id=int(pad_id) if pad_id is not None else (eos_ids[0] if eos_ids else None),
+    )
+
+
+@contextlib.contextmanager
+def _tqdm_in(module, *, disable: bool):
+    """load_gguf_checkpoint always shows its own tqdm bar; let `progress=False` silence it."""
+    original = module.tqdm
+    module.tqdm = functools.partial(original, disable=disable)
+    try:
+        yield
+    finally:
+        module.tqdm = original
+

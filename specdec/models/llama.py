@@ -1,0 +1,203 @@
+"""Llama-family decoder (Llama 2/3, and the base for Mistral, Qwen2 and Qwen3).
+
+A plain ``nn.Module`` over a flat batch of tokens: ``forward(input_ids [T], positions [T],
+kv_caches, attn_meta) -> hidden [T, H]``. Hugging Face parameter names are mapped at load
+time (q/k/v fused into ``qkv_proj``, gate/up into ``gate_up_proj``) so each layer runs two
+big matmuls instead of five small ones. Family differences are constructor flags read from
+the config (QKV bias, per-head q/k norm), never branches on the model name.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.layers.attention import AttentionMetadata, paged_attention_reference, write_kv_cache
+from specdec.layers.norm import RMSNorm
+from specdec.layers.rotary import RotaryEmbedding
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+
+def _cfg(config, name: str, default=None):
+    value = getattr(config, name, None)
+    return default if value is None else value
+
+
+def _rope_params(config) -> tuple[float, dict | None]:
+    """rope theta and scaling dict, from either the old or the transformers>=5 config layout."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        theta = params.get("rope_theta", _cfg(config, "rope_theta", 10000.0))
+        scaling = None if params.get("rope_type", "default") == "default" else dict(params)
+        return float(theta), scaling
+    return float(_cfg(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, attn_fn: AttentionFn):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = _cfg(config, "num_key_value_heads", self.num_heads)
+        self.head_dim = _cfg(config, "head_dim", config.hidden_size // self.num_heads)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bool(_cfg(config, "attention_bias", False)))
+        eps = _cfg(config, "rms_norm_eps", 1e-6)
+        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        theta, scaling = _rope_params(config)
+        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.attn_fn = attn_fn
+
+    def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        out = self.attn_fn(q, kv_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = bool(_cfg(config, "mlp_bias", False))
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        if _cfg(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, attn_fn: AttentionFn):
+        super().__init__()
+        eps = _cfg(config, "rms_norm_eps", 1e-6)
+        self.self_attn = Attention(config, qkv_bias, qk_norm, attn_fn)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, positions, hidden, residual, kv_cache, meta):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config, attn_fn: AttentionFn = paged_attention_reference):
+        super().__init__()
+        self.config = config
+        qkv_bias = self.qkv_bias or bool(_cfg(config, "attention_bias", False))
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, qkv_bias, self.qk_norm, attn_fn) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, _cfg(config, "rms_norm_eps", 1e-6))
+        self.tie_word_embeddings = bool(_cfg(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.layers[0].self_attn.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[0].self_attn.head_dim
+
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata):
+        hidden = self.embed_tokens(input_ids)  # [T, H]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [N, V]
+
+    # ---- loading: Hugging Face names -> fused modules ----
+    _stacked = (
+        ("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
+        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+    )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            for fused, part, shard in self._stacked:
+                if f".{part}." in name:
+                    name = name.replace(f".{part}.", f".{fused}.")
+                    self._load_shard(params, name, tensor, shard, fused)
+                    loaded.add(f"{name}#{shard}")
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint has an unexpected weight {name!r} for {type(self).__name__}")
+                _copy_checked(params[name], tensor, name)
+                loaded.add(name)
+        expected = set()
+        for name in params:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            fused = next((f for f, _, _ in self._stacked if f".{f}." in name), None)
+            if fused is None:
+                expected.add(name)
+            else:
+                n = 3 if fused == "qkv_proj" else 2
+                expected.update(f"{name}#{i}" for i in range(n))
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:3]}")
+
+    def _load_shard(self, params, name: str, tensor: torch.Tensor, shard: int, fused: str) -> None:
+        if name not in params:
+            raise ValueError(f"checkpoint has an unexpected weight {name!r} for {type(self).__name__}")
+        param = params[name]
+        if fused == "qkv_proj":
+            attn = self.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        offset = sum(sizes[:shard])
+        _copy_checked(param.data.narrow(0, offset, sizes[shard]), tensor, name.replace(fused, f"{fused}[{shard}]"))
+
+
+def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"shape mismatch for weight {name!r}: checkpoint has {tuple(tensor.shape)}, "
+            f"the config implies {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.data.copy_(tensor)

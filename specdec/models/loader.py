@@ -1,0 +1,85 @@
+"""Load a model folder: config.json + safetensors (single or sharded) -> a specdec model."""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from specdec.layers.attention import paged_attention_reference
+from specdec.layers.rotary import RotaryEmbedding
+from specdec.models.registry import get_model_class
+
+
+def resolve_model_path(model: str) -> str:
+    """A local folder, a GGUF file or a registry name (pulled on first use) -> a local HF folder."""
+    try:
+        from specdec.models.hub import resolve_model
+    except ImportError:  # hub not available: plain folders only
+        resolve_model = None
+    if os.path.isdir(model):
+        return model
+    if resolve_model is not None:
+        return str(resolve_model(model))
+    raise ValueError(f"model path {model!r} does not exist")
+
+
+def load_config(path: str):
+    from transformers import AutoConfig
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model folder {path!r} has no config.json")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError) as e:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+        raise ValueError(f"cannot read config.json in {path!r} (model_type={model_type!r}): {e}") from None
+    get_model_class(config)  # unknown architecture -> clear error before any weight is read
+    return config
+
+
+def _safetensors_files(path: str) -> list[Path]:
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [folder / f for f in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {path!r} has no *.safetensors weights")
+    for f in files:
+        if not f.is_file():
+            raise ValueError(f"weight shard {str(f)!r} listed in model.safetensors.index.json is missing")
+    return files
+
+
+def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device, attn_fn=paged_attention_reference, config=None):
+    config = config or load_config(path)
+    cls = get_model_class(config)
+    torch_default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device("meta"):  # no random init: every weight is overwritten by the checkpoint
+            model = cls(config, attn_fn=attn_fn)
+    finally:
+        torch.set_default_dtype(torch_default)
+    model = model.to_empty(device=device)
+    if model.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_tables()
+    model.load_weights(iterate_weights(path))
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,24 @@
+"""Architecture name (config.json "architectures") -> model class."""
+from __future__ import annotations
+
+from specdec.models.llama import LlamaForCausalLM
+from specdec.models.mistral import MistralForCausalLM
+from specdec.models.qwen2 import Qwen2ForCausalLM
+from specdec.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(config) -> type[LlamaForCausalLM]:
+    archs = getattr(config, "architectures", None) or []
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(
+        f"unsupported architecture {archs or '(none in config.json)'}; supported: {sorted(MODEL_REGISTRY)}"
+    )

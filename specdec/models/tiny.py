@@ -1,0 +1,76 @@
+"""Tiny random checkpoints (any supported architecture) with a real byte-level BPE tokenizer.
+
+Used by the tests (parity with transformers) and by ``specdec demo make-tiny DIR`` so a
+fresh machine can run the engine without downloading anything.
+"""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+
+_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def _corpus() -> list[str]:
+    import json
+    import textwrap
+
+    return [inspect.getsource(m) for m in (json.decoder, json.encoder, textwrap)]
+
+
+def make_tokenizer(vocab_size: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
+    fast.chat_template = (
+        "{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|bos|>assistant: {% endif %}"
+    )
+    return fast
+
+
+def make_tiny_model(
+    out_dir: str | Path, arch: str = "llama", vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 2,
+    num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128, tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 1024, seed: int = 0, max_shard_size: str | None = None, tokenizer=None, **extra,
+) -> Path:
+    import transformers
+
+    if arch not in _ARCHS:
+        raise ValueError(f"arch must be one of {sorted(_ARCHS)}, got {arch!r}")
+    cfg_name, model_name = _ARCHS[arch]
+    tokenizer = tokenizer or make_tokenizer(vocab_size)
+    vocab_size = max(vocab_size, len(tokenizer))
+    config = getattr(transformers, cfg_name)(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():  # larger logits than the default init, so sampling is not near-uniform
+        model.lm_head.weight.mul_(8.0) if not tie_word_embeddings else model.model.embed_tokens.weight.mul_(4.0)
+    out = Path(out_dir)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    tokenizer.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    return out

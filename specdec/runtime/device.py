@@ -1,0 +1,116 @@
+"""Device and dtype selection: CUDA / ROCm (torch.version.hip) / CPU, and their defaults."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def is_rocm() -> bool:
+    return torch.version.hip is not None
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if device.startswith("cuda") or device == "rocm":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} requested but torch sees no CUDA/ROCm GPU")
+        return torch.device("cuda" if device == "rocm" else device)
+    if device == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"device must be 'auto', 'cpu', 'cuda[:N]' or 'rocm', got {device!r}")
+
+
+@functools.cache
+def cpu_supports_bf16() -> bool:
+    """True when the CPU has native bf16 matmul (AMX or AVX512-BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return any(flag in flags for flag in ("amx_bf16", "avx512_bf16"))
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def apply_platform_defaults(device: torch.device) -> None:
+    """Process-wide settings that matter for inference speed on each platform."""
+    if device.type == "cuda" and is_rocm():
+        # expandable segments avoid fragmentation from variable-length batches on ROCm too
+        os.environ.setdefault("PYTORCH_HIP_ALLOC_CONF", "expandable_segments:True")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def warp_size(device: torch.device | None = None) -> int:
+    """Threads per warp (NVIDIA, RDNA: 32) or wavefront (AMD CDNA/GCN, gfx9xx: 64).
+
+    Triton's `num_warps` counts these units, so the same `num_warps` means twice the threads
+    on an MI300X as on an H100; kernel configs divide a thread budget by this instead."""
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return 32  # CPU / Triton interpreter: the value only shapes launch options
+    props = torch.cuda.get_device_properties(device)
+    size = getattr(props, "warp_size", None)
+    if size:
+        return int(size)
+    if is_rocm():
+        arch = getattr(props, "gcnArchName", "")
+        return 64 if arch.startswith("gfx9") else 32
+    return 32
+
+
+def kv_cache_bytes_from_gpu_utilization(
+    gpu_memory_utilization: float,
+    non_kv_bytes: int,
+    device: torch.device | None = None,
+    *,
+    total_bytes: int | None = None,
+    free_bytes: int | None = None,
+) -> int:
+    """Bytes the KV cache may take (vLLM's meaning of gpu_memory_utilization): this engine may
+    use `gpu_memory_utilization * total` bytes of the GPU; weights, peak activations and CUDA
+    graphs (`non_kv_bytes`, measured by the caller after a profiling forward) come first, the
+    KV cache gets the rest, but never more than is free right now (other processes count).
+    `total_bytes` / `free_bytes` default to torch.cuda.mem_get_info(device)."""
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    if total_bytes is None or free_bytes is None:
+        free_now, total_now = torch.cuda.mem_get_info(device)
+        total_bytes = total_now if total_bytes is None else total_bytes
+        free_bytes = free_now if free_bytes is None else free_bytes
+    budget = int(total_bytes * gpu_memory_utilization) - int(non_kv_bytes)
+    kv_bytes = min(budget, int(free_bytes))
+    if kv_bytes <= 0:
+        gib = 1 << 30
+        raise ValueError(
+            f"no memory left for the KV cache: gpu_memory_utilization={gpu_memory_utilization} of "
+            f"{total_bytes / gib:.1f} GiB minus {non_kv_bytes / gib:.1f} GiB for weights/activations "
+            f"(free now: {free_bytes / gib:.1f} GiB); raise gpu_memory_utilization or lower max_model_len"
+        )
+    return kv_bytes

@@ -1,0 +1,282 @@
+"""Adaptive speculation length (``"num_speculative_tokens": "auto"`` with a maximum).
+
+Three pure pieces the engine wires together each step:
+- ``StepCostModel``: measured forward-pass seconds as a function of the number of tokens in
+  the pass, per kind ("target", "draft"), piecewise-linear over token-count knots with EMA
+  updates; ``calibrate`` times a callable at start-up, ``observe`` refines it every step.
+- ``AcceptanceEstimator``: per-request acceptance (scalar and per-position), Beta counts with
+  exponential forgetting, shrunk towards a pooled estimate over all requests.
+- ``choose_num_spec_tokens``: per-request K in 0..max_k maximising expected tokens per
+  second for the whole batch.
+
+Why the Leviathan et al. (2023) expected length E(a, K) = (1 - a^(K+1)) / (1 - a): it
+follows if every draft token is accepted independently with the same probability a, so
+the number accepted is a geometric variable truncated at K (+1 for the target's own
+token). That gives the marginal value of the j-th draft token in closed form, a^j, which
+is what makes a marginal-gain allocation over a batch cheap and well-founded. What it gets
+wrong: acceptance is neither identical nor independent across positions. A draft model
+drifts, so deeper positions are accepted less often than a; copy-based proposers (n-gram,
+suffix) are bursty - once a copied span is being reproduced the next token is very likely,
+so conditional acceptance rises with depth and the formula undervalues long drafts; and a
+is not stationary within a request (code vs prose). ``choose_num_spec_tokens`` therefore
+also accepts per-position conditional acceptances (from ``AcceptanceEstimator.
+position_acceptance``), for which the marginal value of token j is prod_{m<=j} a_m.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+KINDS = ("target", "draft")
+DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens per target step with K drafts accepted i.i.d. w.p. alpha (incl. the
+    target's own token): (1 - alpha^(k+1)) / (1 - alpha), k + 1 at alpha = 1."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"k must be an int >= 0, got {k!r}")
+    if 1.0 - alpha < 1e-9:  # the closed form cancels catastrophically here; first-order expansion
+        return (k + 1) - (1.0 - alpha) * k * (k + 1) / 2
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def _validate_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+class StepCostModel:
+    """Seconds per forward pass vs tokens in the pass, per kind. Knots at ``token_counts``;
+    linear between observed knots, flat below the first, proportional to tokens beyond the
+    last (the compute-bound regime). Each observation is a least-mean-squares step on the
+    two neighbouring knots (weights = hat functions), with step max(ema_rate, 1/mass) so a
+    knot averages its first observations and then tracks drift as an EMA. An unobserved
+    kind costs 1.0 flat for "target" (memory-bound, see DESIGN.md) and 0.0 for "draft" (the
+    n-gram / suffix proposers)."""
+
+    def __init__(self, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS, ema_rate: float = 0.05):
+        counts = list(token_counts)
+        if not counts or any(not isinstance(n, int) or n < 1 for n in counts) or counts != sorted(set(counts)):
+            raise ValueError(f"token_counts must be strictly increasing ints >= 1, got {token_counts!r}")
+        if not 0.0 < ema_rate <= 1.0:
+            raise ValueError(f"ema_rate must be in (0, 1], got {ema_rate!r}")
+        self.token_counts = np.asarray(counts, dtype=np.float64)  # [num_knots]
+        self.ema_rate = ema_rate
+        self._seconds = {kind: np.zeros(len(counts)) for kind in KINDS}  # [num_knots]
+        self._mass = {kind: np.zeros(len(counts)) for kind in KINDS}  # [num_knots] observation weight
+
+    def has_observations(self, kind: str) -> bool:
+        _validate_kind(kind)
+        return bool(self._mass[kind].any())
+
+    def observe(self, kind: str, num_tokens: int, seconds: float) -> None:
+        _validate_kind(kind)
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens!r}")
+        if not (math.isfinite(seconds) and seconds >= 0.0):
+            raise ValueError(f"seconds must be finite and >= 0, got {seconds!r}")
+        knots, values, mass = self.token_counts, self._seconds[kind], self._mass[kind]
+        if num_tokens > knots[-1]:  # fold into the last knot under the proportional assumption
+            seconds, num_tokens = seconds * knots[-1] / num_tokens, knots[-1]
+        num_tokens = max(num_tokens, knots[0])
+        hi = min(int(np.searchsorted(knots, num_tokens)), len(knots) - 1)
+        lo = hi if knots[hi] == num_tokens else hi - 1
+        w_hi = 1.0 if lo == hi else (num_tokens - knots[lo]) / (knots[hi] - knots[lo])
+        residual = seconds - (self.cost(kind, num_tokens) if mass.any() else seconds)
+        for knot, weight in ((lo, 1.0 - w_hi), (hi, w_hi)) if lo != hi else ((hi, 1.0),):
+            if weight <= 0.0:
+                continue
+            if mass[knot] == 0.0:
+                values[knot] = seconds
+            else:
+                values[knot] += max(self.ema_rate, weight / (mass[knot] + weight)) * weight * residual
+            mass[knot] += weight
+
+    def set(self, kind: str, num_tokens: int, seconds: float) -> None:
+        """Overwrite a knot with a trusted measurement (calibration)."""
+        _validate_kind(kind)
+        matches = np.flatnonzero(self.token_counts == num_tokens)
+        if matches.size == 0:
+            raise ValueError(f"num_tokens={num_tokens} is not a knot of this model ({self.token_counts.tolist()})")
+        self._seconds[kind][matches[0]] = seconds
+        self._mass[kind][matches[0]] = max(self._mass[kind][matches[0]], 1.0)
+
+    def costs(self, kind: str, num_tokens: np.ndarray) -> np.ndarray:
+        """Vectorised ``cost``: num_tokens [N] -> seconds [N]."""
+        _validate_kind(kind)
+        num_tokens = np.asarray(num_tokens, dtype=np.float64)
+        observed = self._mass[kind] > 0
+        if not observed.any():
+            return np.where(num_tokens > 0, 1.0 if kind == "target" else 0.0, 0.0)
+        knots, values = self.token_counts[observed], self._seconds[kind][observed]
+        inside = np.interp(num_tokens, knots, values)
+        beyond = values[-1] * num_tokens / knots[-1]
+        return np.where(num_tokens <= 0, 0.0, np.where(num_tokens > knots[-1], beyond, inside))
+
+    def cost(self, kind: str, num_tokens: int) -> float:
+        return float(self.costs(kind, np.asarray([num_tokens]))[0])
+
+    def calibrate(
+        self,
+        run_fn: Callable[[str, int], object],
+        kinds: Sequence[str] = ("target",),
+        token_counts: Sequence[int] | None = None,
+        num_warmup: int = 1,
+        num_repeats: int = 3,
+        timer: Callable[[], float] = time.perf_counter,
+    ) -> dict[tuple[str, int], float]:
+        """Time ``run_fn(kind, num_tokens)`` (which must block until the device is done, e.g.
+        end with torch.cuda.synchronize()) and store the median of ``num_repeats`` runs;
+        knots are overwritten, other counts are observed. Returns {(kind, n): seconds}."""
+        measured = {}
+        for kind in kinds:
+            _validate_kind(kind)
+            for num_tokens in token_counts or [int(n) for n in self.token_counts if n <= 64]:
+                for _ in range(num_warmup):
+                    run_fn(kind, num_tokens)
+                samples = []
+                for _ in range(max(1, num_repeats)):
+                    start = timer()
+                    run_fn(kind, num_tokens)
+                    samples.append(timer() - start)
+                seconds = float(np.median(samples))
+                if num_tokens in self.token_counts:
+                    self.set(kind, num_tokens, seconds)
+                else:
+                    self.observe(kind, num_tokens, seconds)
+                measured[(kind, num_tokens)] = seconds
+        return measured
+
+
+class AcceptanceEstimator:
+    """Per-request acceptance from (num_drafted, num_accepted) outcomes. Under the i.i.d.
+    model a step that accepted A of K drafts is A successes plus one failure if A < K; the
+    estimate is the Beta posterior mean with counts decayed by ``decay`` per update (memory
+    ~ 1/(1 - decay) steps) and a prior of ``prior_strength`` pseudo-trials at the pooled
+    estimate of all requests (itself starting at ``prior_acceptance``). Per position j the
+    same counts give the conditional P(accept j | accepted 1..j-1)."""
+
+    def __init__(self, max_positions: int = 16, prior_acceptance: float = 0.5, prior_strength: float = 2.0,
+                 decay: float = 0.95, pooled_decay: float = 0.999):
+        if not isinstance(max_positions, int) or max_positions < 1:
+            raise ValueError(f"max_positions must be an int >= 1, got {max_positions!r}")
+        if not 0.0 <= prior_acceptance <= 1.0:
+            raise ValueError(f"prior_acceptance must be in [0, 1], got {prior_acceptance!r}")
+        if not prior_strength > 0.0:
+            raise ValueError(f"prior_strength must be > 0, got {prior_strength!r}")
+        for name, value in (("decay", decay), ("pooled_decay", pooled_decay)):
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+        self.max_positions = max_positions
+        self.prior_acceptance = prior_acceptance
+        self.prior_strength = prior_strength
+        self.decay, self.pooled_decay = decay, pooled_decay
+        # counts[:, 0] successes, counts[:, 1] trials; row 0 = scalar, rows 1.. = positions
+        self._pooled = np.zeros((max_positions + 1, 2))
+        self._requests: dict[str, np.ndarray] = {}
+
+    def update(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted}, {num_drafted}")
+        if num_drafted == 0:
+            return
+        outcome = np.zeros((self.max_positions + 1, 2))
+        num_tried = min(num_accepted + 1, num_drafted)
+        outcome[0] = (num_accepted, num_tried)
+        positions = np.minimum(np.arange(num_tried), self.max_positions - 1) + 1  # deep ones share the last
+        np.add.at(outcome[:, 1], positions, 1.0)
+        np.add.at(outcome[:, 0], positions[:num_accepted], 1.0)
+        counts = self._requests.get(request_id)
+        self._requests[request_id] = outcome if counts is None else counts * self.decay + outcome
+        self._pooled = self._pooled * self.pooled_decay + outcome
+
+    def _posterior(self, request_id: str) -> np.ndarray:
+        pooled = (self._pooled[:, 0] + self.prior_strength * self.prior_acceptance) / (
+            self._pooled[:, 1] + self.prior_strength)
+        counts = self._requests.get(request_id)
+        if counts is None:
+            return pooled
+        return (counts[:, 0] + self.prior_strength * pooled) / (counts[:, 1] + self.prior_strength)
+
+    def acceptance(self, request_id: str) -> float:
+        """Per-token acceptance rate a under the i.i.d. model."""
+        return float(self._posterior(request_id)[0])
+
+    def position_acceptance(self, request_id: str) -> list[float]:
+        """[max_positions] conditional acceptance of each draft position."""
+        return self._posterior(request_id)[1:].tolist()
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+
+def _marginal_gains(alphas: Sequence[float | Sequence[float]], max_k: int) -> np.ndarray:
+    """[B, max_k] expected extra accepted tokens of each request's j-th draft token."""
+    gains = np.empty((len(alphas), max_k))
+    for row, alpha in enumerate(alphas):
+        per_position = np.atleast_1d(np.asarray(alpha, dtype=np.float64))
+        if per_position.size == 0 or np.any((per_position < 0) | (per_position > 1)):
+            raise ValueError(f"alphas[{row}] must be in [0, 1] (a float or per-position list), got {alpha!r}")
+        per_position = np.resize(per_position, max_k) if per_position.size == 1 else np.concatenate(
+            [per_position[:max_k], np.repeat(per_position[-1], max(0, max_k - per_position.size))])
+        gains[row] = np.cumprod(per_position)
+    return gains
+
+
+def choose_num_spec_tokens(
+    alphas: Sequence[float | Sequence[float]],
+    max_k: int,
+    cost: StepCostModel,
+    num_other_tokens: int = 0,
+    draft_per_token: bool = True,
+) -> list[int]:
+    """Per-request K in 0..max_k maximising the batch's tokens per second.
+
+    Objective for choices K_i over B decoding requests plus ``num_other_tokens`` (prefill
+    chunks) in the same target pass:
+        (sum_i E_i(K_i) + num_other_tokens) / (draft_time + target(sum_i (K_i + 1) + num_other_tokens))
+    where E_i is the expected tokens (Leviathan, or per-position products) and a prefill
+    token counts as one token of progress - so when prefill already makes the pass
+    compute-bound, drafts must beat the marginal cost of a real token. ``draft_time`` is
+    sum over depths d of draft(#{i: K_i >= d}) for a sequential drafter
+    (``draft_per_token``), or draft(#{i: K_i >= 1}) once for one that drafts all K in one
+    pass; an unobserved draft kind costs 0 (n-gram).
+
+    Search: the j-th token of request i adds gain g_ij (a_i^j), non-increasing in j, and
+    the cost of a set depends only on token counts per depth, so by an exchange argument
+    good sets take tokens in decreasing g_ij ("marginal-gain threshold" policies). All B *
+    max_k prefixes of that order are scored exactly in one vectorised pass, so plateaus
+    (flat verification then a cliff) are found; ties go to fewer tokens. K = 0 everywhere
+    when no prefix beats not speculating.
+    """
+    if not isinstance(max_k, int) or max_k < 0:
+        raise ValueError(f"max_k must be an int >= 0, got {max_k!r}")
+    if not isinstance(num_other_tokens, int) or num_other_tokens < 0:
+        raise ValueError(f"num_other_tokens must be an int >= 0, got {num_other_tokens!r}")
+    num_requests = len(alphas)
+    if num_requests == 0 or max_k == 0:
+        return [0] * num_requests
+    gains = _marginal_gains(alphas, max_k).ravel()  # [B * max_k]
+    depth = np.tile(np.arange(1, max_k + 1), num_requests)  # [B * max_k]
+    order = np.lexsort((depth, -gains))  # by gain desc, then depth asc
+    gains, depth, owner = gains[order], depth[order], order // max_k
+    rows = np.zeros_like(depth)  # rows at this depth once this token is added
+    for d in range(1, max_k + 1):
+        at_depth = depth == d
+        rows[at_depth] = np.arange(1, int(at_depth.sum()) + 1)
+    draft_delta = cost.costs("draft", rows) - cost.costs("draft", rows - 1)
+    if not draft_per_token:
+        draft_delta = np.where(depth == 1, draft_delta, 0.0)
+    base_tokens = num_requests + num_other_tokens
+    num_added = np.arange(gains.shape[0] + 1)  # [B * max_k + 1] prefixes
+    value = base_tokens + np.concatenate([[0.0], np.cumsum(gains)])
+    seconds = cost.costs("target", base_tokens + num_added) + np.concatenate([[0.0], np.cumsum(draft_delta)])
+    throughput = value / np.maximum(seconds, 1e-30)
+    best = int(np.flatnonzero(throughput >= throughput.max() * (1.0 - 1e-9))[0])
+    return np.bincount(owner[:best], minlength=num_requests).tolist()

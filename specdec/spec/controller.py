@@ -1,0 +1,79 @@
+"""How many tokens to draft per request each step: a fixed K, or adaptive ("auto").
+
+Adaptive K maximises expected tokens per second from each request's running acceptance
+estimate and the measured cost of draft and target forwards (see ``specdec.spec.adaptive``).
+"""
+from __future__ import annotations
+
+import time
+
+from specdec.engine.request import Request
+
+
+class SpecController:
+    def __init__(self, max_k: int, adaptive: bool, draft_is_model: bool):
+        self.max_k = max_k
+        self.adaptive = adaptive
+        self.draft_is_model = draft_is_model
+        self.cost = None
+        self.acceptance = None
+        self._plan: dict[str, int] = {}
+        if adaptive:
+            from specdec.spec.adaptive import AcceptanceEstimator, StepCostModel
+
+            self.cost = StepCostModel()
+            self.acceptance = AcceptanceEstimator()
+
+    @classmethod
+    def build(cls, spec, proposer, runner, draft_runner, cfg) -> SpecController:
+        ctl = cls(spec.max_k, spec.is_adaptive, proposer.has_draft_model)
+        if ctl.adaptive and cfg.spec_cost_calibration:
+            ctl.calibrate(runner, draft_runner)
+        return ctl
+
+    def calibrate(self, runner, draft_runner) -> None:
+        """Time a few forwards at several token counts so the first steps already have a cost model."""
+        from specdec.runtime.calibrate import time_forward
+
+        counts = [1, 2, 4, 8, 16, 32, 64]
+        for n in counts:
+            self.cost.observe("target", n, time_forward(runner, n))
+            if draft_runner is not None:
+                self.cost.observe("draft", n, time_forward(draft_runner, n))
+            else:
+                self.cost.observe("draft", n, 0.0)
+
+    def num_tokens_for(self, req: Request, running: list[Request]) -> int:
+        if not self.adaptive:
+            return self.max_k
+        if req is running[0] or not self._plan:
+            self._replan(running)
+        return self._plan.get(req.request_id, 0)
+
+    def _replan(self, running: list[Request]) -> None:
+        from specdec.spec.adaptive import choose_num_spec_tokens
+
+        reqs = [r for r in running if r.sampling_params.use_speculation and r.is_decoding]
+        others = sum(r.num_tokens - r.num_computed_tokens for r in running if not r.is_decoding)
+        alphas = [self.acceptance.acceptance(r.request_id) for r in reqs]
+        ks = choose_num_spec_tokens(alphas, self.max_k, self.cost, num_other_tokens=others,
+                                    draft_per_token=self.draft_is_model) if reqs else []
+        self._plan = {r.request_id: k for r, k in zip(reqs, ks)}
+
+    def observe_acceptance(self, req: Request, num_drafted: int, num_accepted: int) -> None:
+        if self.acceptance is not None:
+            self.acceptance.update(req.request_id, num_drafted, num_accepted)
+
+    def observe_step(self, sched, proposal, t_draft: float, t_target: float) -> None:
+        if self.cost is None:
+            return
+        self.cost.observe("target", sched.total_num_tokens, t_target)
+        num_drafting = sum(1 for d in proposal.draft_token_ids if d)
+        if num_drafting and self.draft_is_model:
+            steps = max(len(d) for d in proposal.draft_token_ids)
+            self.cost.observe("draft", num_drafting, t_draft / steps)
+        self._plan = {}
+
+    def forget(self, req: Request) -> None:
+        if self.acceptance is not None:
+            self.acceptance.forget(req.request_id)

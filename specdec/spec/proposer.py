@@ -1,0 +1,50 @@
+"""The proposer interface shared by every speculation method (one file per method)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from specdec.engine.request import Request
+
+
+@dataclass
+class DraftProposal:
+    draft_token_ids: list[list[int]]  # per request of the batch; [] where nothing is proposed
+    draft_probs: torch.Tensor | None  # [num_draft_total, V] q each token was sampled from; None => one-hot
+
+    @classmethod
+    def empty(cls, num_requests: int) -> DraftProposal:
+        return cls([[] for _ in range(num_requests)], None)
+
+    @property
+    def num_draft_tokens(self) -> list[int]:
+        return [len(d) for d in self.draft_token_ids]
+
+
+class Proposer(ABC):
+    name: str = "proposer"
+    has_draft_model: bool = False  # True when drafting costs a model forward per token
+
+    @abstractmethod
+    def propose(self, requests: list[Request], num_spec: list[int]) -> DraftProposal:
+        """Up to ``num_spec[i]`` draft tokens for each request (0 => none)."""
+
+    def on_request_finished(self, request: Request) -> None:
+        """Called once when a request ends (the suffix proposer learns from it)."""
+
+
+class TokenListProposer(Proposer):
+    """Adapter for draft-free proposers that work on plain token lists (n-gram, suffix)."""
+
+    def __init__(self, impl, name: str):
+        self.impl = impl
+        self.name = name
+
+    def propose(self, requests: list[Request], num_spec: list[int]) -> DraftProposal:
+        drafts = self.impl.propose([r.all_token_ids for r in requests], num_spec, [r.request_id for r in requests])
+        return DraftProposal([list(d)[:k] for d, k in zip(drafts, num_spec)], None)
+
+    def on_request_finished(self, request: Request) -> None:
+        self.impl.on_request_finished(request.request_id, request.all_token_ids)

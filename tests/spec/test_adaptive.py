@@ -1,0 +1,212 @@
+import itertools
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.spec.adaptive import (
+    AcceptanceEstimator,
+    StepCostModel,
+    choose_num_spec_tokens,
+    expected_tokens,
+)
+
+COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def cost_model(target, draft=None, counts=COUNTS) -> StepCostModel:
+    """A model whose knots hold target(n) / draft(n) exactly."""
+    model = StepCostModel(counts)
+    for n in counts:
+        model.observe("target", n, target(n))
+        if draft is not None:
+            model.observe("draft", n, draft(n))
+    return model
+
+
+def flat_until(limit, seconds=0.05):  # memory-bound up to `limit` tokens, then compute-bound
+    return lambda n: seconds * max(1.0, n / limit)
+
+
+# ---- expected_tokens ------------------------------------------------------------------
+
+def test_expected_tokens_closed_form_and_limits():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0 - 1e-12, 7) == pytest.approx(8.0)
+    assert expected_tokens(0.8, 4) == pytest.approx(sum(0.8**j for j in range(5)))
+    with pytest.raises(ValueError, match="alpha"):
+        expected_tokens(1.5, 3)
+    with pytest.raises(ValueError, match="k"):
+        expected_tokens(0.5, -1)
+
+
+# ---- StepCostModel ----------------------------------------------------------------------
+
+def test_cost_model_interpolates_between_knots_and_extrapolates():
+    model = StepCostModel((1, 8, 64))
+    assert model.cost("target", 5) == 1.0 and model.cost("draft", 5) == 0.0  # unobserved defaults
+    model.observe("target", 8, 0.010)
+    model.observe("target", 64, 0.050)
+    assert model.cost("target", 8) == pytest.approx(0.010)
+    assert model.cost("target", 36) == pytest.approx(0.030)  # halfway between 8 and 64
+    assert model.cost("target", 2) == pytest.approx(0.010)  # flat below the first observed knot
+    assert model.cost("target", 128) == pytest.approx(0.100)  # proportional beyond the last
+    assert model.cost("target", 0) == 0.0
+    with pytest.raises(ValueError, match="kind"):
+        model.observe("verifier", 8, 0.1)
+    with pytest.raises(ValueError, match="token_counts"):
+        StepCostModel((4, 2))
+
+
+def test_cost_model_learns_a_line_from_off_knot_observations_and_tracks_drift():
+    model = StepCostModel((1, 16, 64), ema_rate=0.05)
+    rng = random.Random(0)
+    for _ in range(3000):
+        n = rng.randint(1, 64)
+        model.observe("target", n, 0.02 + 0.001 * n)
+    for n in (1, 10, 16, 40, 64):
+        assert model.cost("target", n) == pytest.approx(0.02 + 0.001 * n, rel=0.02)
+    for _ in range(200):  # the machine got 2x slower: the EMA follows
+        model.observe("target", 16, 0.072)
+    assert model.cost("target", 16) == pytest.approx(0.072, rel=0.01)
+
+
+def test_calibrate_times_the_callable_with_the_given_timer():
+    clock = [0.0]
+    calls = []
+
+    def run_fn(kind, num_tokens):
+        calls.append((kind, num_tokens))
+        clock[0] += 0.01 + 0.001 * num_tokens if kind == "target" else 0.002
+
+    model = StepCostModel((1, 4, 16))
+    measured = model.calibrate(run_fn, kinds=("target", "draft"), token_counts=(1, 4, 16), timer=lambda: clock[0])
+    assert measured[("target", 16)] == pytest.approx(0.026)
+    assert model.cost("target", 4) == pytest.approx(0.014)
+    assert model.cost("draft", 10) == pytest.approx(0.002)
+    assert len(calls) == 2 * 3 * (1 + 3)  # kinds x counts x (warmup + repeats)
+
+
+# ---- AcceptanceEstimator ----------------------------------------------------------------
+
+def accept_stream(rng, alpha, k):
+    num_accepted = 0
+    while num_accepted < k and rng.random() < alpha:
+        num_accepted += 1
+    return num_accepted
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.5, 0.85])
+def test_estimator_converges_on_iid_streams(alpha):
+    rng = random.Random(1)
+    estimator = AcceptanceEstimator(decay=1.0)
+    for _ in range(3000):
+        estimator.update("r", 5, accept_stream(rng, alpha, 5))
+    assert estimator.acceptance("r") == pytest.approx(alpha, abs=0.02)
+    assert estimator.position_acceptance("r")[:3] == pytest.approx([alpha] * 3, abs=0.04)
+
+
+def test_estimator_tracks_a_change_and_uses_the_pooled_prior():
+    rng = random.Random(2)
+    estimator = AcceptanceEstimator(decay=0.95)
+    for _ in range(300):
+        estimator.update("r", 6, accept_stream(rng, 0.9, 6))
+    assert estimator.acceptance("r") > 0.8
+    for _ in range(150):
+        estimator.update("r", 6, accept_stream(rng, 0.3, 6))
+    assert estimator.acceptance("r") == pytest.approx(0.3, abs=0.1)
+    assert 0.3 < estimator.acceptance("new") < 0.9  # unseen request: pooled estimate
+    estimator.forget("r")
+    assert estimator.acceptance("r") == estimator.acceptance("new")
+    with pytest.raises(ValueError, match="num_accepted"):
+        estimator.update("r", 2, 3)
+
+
+def test_estimator_sees_bursty_per_position_acceptance():
+    rng = random.Random(3)  # copy-like proposer: the first token is a coin flip, then all accepted
+    estimator = AcceptanceEstimator(decay=1.0)
+    for _ in range(2000):
+        estimator.update("r", 4, 4 if rng.random() < 0.5 else 0)
+    positions = estimator.position_acceptance("r")
+    assert positions[0] == pytest.approx(0.5, abs=0.04) and min(positions[1:4]) > 0.99
+    assert estimator.acceptance("r") == pytest.approx(0.8, abs=0.04)  # i.i.d. view: 4 / (4 + 1)
+
+
+# ---- choose_num_spec_tokens -------------------------------------------------------------
+
+def throughput(ks, alphas, cost, num_other_tokens=0):
+    gain = sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) + num_other_tokens
+    rows = [sum(k >= d for k in ks) for d in range(1, max(ks, default=0) + 1)]
+    seconds = cost.cost("target", sum(k + 1 for k in ks) + num_other_tokens) + sum(cost.cost("draft", r) for r in rows)
+    return gain / seconds
+
+
+def test_no_speculation_when_it_cannot_pay():
+    linear = cost_model(lambda n: 0.001 * n)
+    assert choose_num_spec_tokens([0.8, 0.95, 1.0], 8, linear) == [0, 0, 0]
+    draft_as_slow_as_target = cost_model(lambda n: 0.05, lambda n: 0.05)
+    assert choose_num_spec_tokens([0.8, 0.9], 8, draft_as_slow_as_target) == [0, 0]
+    cheap_draft = cost_model(flat_until(64), lambda n: 0.003)
+    assert choose_num_spec_tokens([0.01, 0.02], 8, cheap_draft) == [0, 0]
+    assert choose_num_spec_tokens([0.0], 8, cost_model(flat_until(64))) == [0]
+
+
+def test_full_speculation_when_acceptance_is_high_and_verification_flat():
+    assert choose_num_spec_tokens([0.999] * 4, 8, cost_model(flat_until(256))) == [8] * 4
+    with_draft = cost_model(flat_until(256), lambda n: 0.002)
+    assert choose_num_spec_tokens([0.99] * 4, 8, with_draft) == [8] * 4
+    assert choose_num_spec_tokens([1.0], 16, StepCostModel()) == [16]  # uncalibrated: flat target, free draft
+
+
+def test_flat_region_budget_and_prefill_pressure():
+    cost = cost_model(flat_until(32))  # one pass of <= 32 tokens costs the same
+    ks = choose_num_spec_tokens([0.9, 0.9, 0.9, 0.9], 16, cost)
+    assert 20 <= sum(ks) <= 28 and max(ks) - min(ks) <= 1  # fill the free region, no further
+    assert choose_num_spec_tokens([0.9] * 4, 16, cost, num_other_tokens=2000) == [0] * 4
+
+
+def test_prefers_requests_with_higher_acceptance():
+    cost = cost_model(flat_until(16))
+    ks = choose_num_spec_tokens([0.3, 0.95, 0.7, 0.99], 8, cost)
+    assert ks[0] <= ks[2] <= ks[1] <= ks[3] and ks[3] > ks[0]
+
+
+def test_per_position_alphas_value_bursty_drafts():
+    cost = cost_model(lambda n: 0.05 + 0.004 * n)
+    assert choose_num_spec_tokens([0.6], 8, cost) == [0]  # i.i.d. view: the second token is worth 0.36
+    assert choose_num_spec_tokens([[0.6, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]], 8, cost) == [8]
+
+
+@settings(max_examples=60, deadline=None)
+@given(alpha=st.floats(0.0, 0.99), delta=st.floats(0.0, 0.5), slope=st.floats(0.0, 0.01), draft=st.floats(0.0, 0.03))
+def test_monotone_in_alpha(alpha, delta, slope, draft):
+    cost = cost_model(lambda n: 0.05 + slope * n, lambda n: draft)
+    low = choose_num_spec_tokens([alpha], 10, cost)[0]
+    high = choose_num_spec_tokens([min(1.0, alpha + delta)], 10, cost)[0]
+    assert low <= high
+
+
+def test_exact_optimum_for_free_drafts_by_brute_force():
+    rng = random.Random(4)
+    for _ in range(30):
+        knee, slope = rng.choice([4, 8, 16]), rng.uniform(0.0, 0.02)
+        cost = cost_model(lambda n: 0.05 * (1 + slope * max(0, n - knee)))
+        alphas = [rng.random() for _ in range(3)]
+        ks = choose_num_spec_tokens(alphas, 4, cost)
+        best = max(throughput(c, alphas, cost) for c in itertools.product(range(5), repeat=3))
+        assert throughput(ks, alphas, cost) == pytest.approx(best, rel=1e-9)
+
+
+def test_validation_and_empty_batch():
+    assert choose_num_spec_tokens([], 4, StepCostModel()) == []
+    with pytest.raises(ValueError, match="max_k"):
+        choose_num_spec_tokens([0.5], -1, StepCostModel())
+    with pytest.raises(ValueError, match=r"alphas\[1\]"):
+        choose_num_spec_tokens([0.5, 1.2], 4, StepCostModel())
+    with pytest.raises(ValueError, match="num_other_tokens"):
+        choose_num_spec_tokens([0.5], 4, StepCostModel(), num_other_tokens=-3)
+    assert np.all(np.array(choose_num_spec_tokens([0.5] * 300, 16, StepCostModel())) == 16)
