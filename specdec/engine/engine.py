@@ -155,7 +155,8 @@ class LLMEngine:
             accepted = accepted_list[k]
             emitted = tokens_list[k][: accepted + 1]
             k += 1
-            self.spec_metrics.observe(num_drafted, accepted)
+            if req.num_output_tokens:  # a decode/verify step (not a prompt's first token)
+                self.spec_metrics.observe(num_drafted, accepted)
             if num_drafted:
                 req.num_drafts += 1
                 req.num_draft_tokens += num_drafted

@@ -36,6 +36,8 @@ class Scheduler:
                  enable_chunked_prefill: bool = True):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
+        if not enable_chunked_prefill:  # unsplittable prompts: the budget must hold the longest one
+            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill

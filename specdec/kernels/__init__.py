@@ -17,3 +17,19 @@ def interpreting() -> bool:
     used to test kernels on CPU tensors. Decided when a kernel is defined, so set the variable
     before importing a kernel module."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def load(name: str):
+    """Import `specdec.kernels.<name>`, re-importing it if its kernels were defined in the
+    other mode (compiled vs TRITON_INTERPRET=1) than the one now set; the CPU kernel tests use
+    this so they work whatever imported the module first."""
+    import importlib
+    import sys
+
+    full_name = f"{__name__}.{name}"
+    module = sys.modules.get(full_name)
+    if module is None:
+        return importlib.import_module(full_name)
+    if getattr(module, "DEFINED_FOR_INTERPRETER", None) != interpreting():
+        module = importlib.reload(module)
+    return module

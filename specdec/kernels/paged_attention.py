@@ -26,8 +26,10 @@ from specdec.kernels.config import launch_options, next_power_of_2, num_compute_
 from specdec.layers.attention import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
-_NEG_BIG = -1.0e30  # finite "minus infinity" for the running max: keeps exp2(m_old - m_new) finite
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: keeps exp2(m_old - m_new) finite
 _MAX_KV_SPLITS = 16
+
+DEFINED_FOR_INTERPRETER = interpreting()  # kernels below are bound to this mode at import
 
 
 @triton.jit

@@ -21,9 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec.kernels import interpreting
 from specdec.kernels.config import launch_options
 
 _NUM_PIVOTS = 16
+
+DEFINED_FOR_INTERPRETER = interpreting()  # kernels below are bound to this mode at import
 
 
 @triton.jit

@@ -355,10 +355,12 @@ def register_cli(subparsers) -> None:
 
 def _cli_list(args) -> int:
     print(f"cache: {cache_dir()}")
-    print(f"{'name':<30} {'gguf MB':>8}  {'pulled':<6}  path")
+    print(f"{'name':<30} {'gguf MB':>8} {'folder MB':>9}  {'pulled':<6}  path")
     for source in MODELS.values():
         folder = model_dir(source.name)
-        print(f"{source.name:<30} {source.num_bytes / 1e6:>8.0f}  {'yes' if _is_complete(folder) else 'no':<6}  {folder}")
+        pulled = _is_complete(folder)
+        size = f"{_folder_bytes(folder) / 1e6:.0f}" if pulled else "-"
+        print(f"{source.name:<30} {source.num_bytes / 1e6:>8.0f} {size:>9}  {'yes' if pulled else 'no':<6}  {folder}")
     return 0
 
 

@@ -53,8 +53,12 @@ def _validate_kind(kind: str) -> None:
 
 class StepCostModel:
     """Seconds per forward pass vs tokens in the pass, per kind. Knots at ``token_counts``;
-    linear between observed knots, flat below the first, proportional to tokens beyond the
-    last (the compute-bound regime). Each observation is a least-mean-squares step on the
+    linear between observed knots, flat below the first, and beyond the last observed knot
+    the last observed segment's slope continues (flat with one observed knot). That is
+    optimistic on purpose: an over-estimate would stop speculation and with it the
+    observations that would correct it; an under-estimate is corrected by the next step's
+    measurement. Observations above the last knot fold into it proportionally (compute-
+    bound). Each observation is a least-mean-squares step on the
     two neighbouring knots (weights = hat functions), with step max(ema_rate, 1/mass) so a
     knot averages its first observations and then tracks drift as an EMA. An unobserved
     kind costs 1.0 flat for "target" (memory-bound, see DESIGN.md) and 0.0 for "draft" (the
@@ -115,8 +119,9 @@ class StepCostModel:
         if not observed.any():
             return np.where(num_tokens > 0, 1.0 if kind == "target" else 0.0, 0.0)
         knots, values = self.token_counts[observed], self._seconds[kind][observed]
+        slope = max(0.0, (values[-1] - values[-2]) / (knots[-1] - knots[-2])) if knots.shape[0] > 1 else 0.0
         inside = np.interp(num_tokens, knots, values)
-        beyond = values[-1] * num_tokens / knots[-1]
+        beyond = values[-1] + slope * (num_tokens - knots[-1])
         return np.where(num_tokens <= 0, 0.0, np.where(num_tokens > knots[-1], beyond, inside))
 
     def cost(self, kind: str, num_tokens: int) -> float:
@@ -217,16 +222,21 @@ class AcceptanceEstimator:
 
 
 def _marginal_gains(alphas: Sequence[float | Sequence[float]], max_k: int) -> np.ndarray:
-    """[B, max_k] expected extra accepted tokens of each request's j-th draft token."""
-    gains = np.empty((len(alphas), max_k))
-    for row, alpha in enumerate(alphas):
-        per_position = np.atleast_1d(np.asarray(alpha, dtype=np.float64))
-        if per_position.size == 0 or np.any((per_position < 0) | (per_position > 1)):
-            raise ValueError(f"alphas[{row}] must be in [0, 1] (a float or per-position list), got {alpha!r}")
-        per_position = np.resize(per_position, max_k) if per_position.size == 1 else np.concatenate(
-            [per_position[:max_k], np.repeat(per_position[-1], max(0, max_k - per_position.size))])
-        gains[row] = np.cumprod(per_position)
-    return gains
+    """[B, max_k] expected extra accepted tokens of each request's j-th draft token: a^j
+    for a scalar a, prod_{m<=j} a_m for per-position a (the last one repeats)."""
+    if all(isinstance(alpha, (int, float)) for alpha in alphas):
+        per_position = np.repeat(np.asarray(alphas, dtype=np.float64)[:, None], max_k, axis=1)
+    else:
+        per_position = np.empty((len(alphas), max_k))
+        for row, alpha in enumerate(alphas):
+            values = np.atleast_1d(np.asarray(alpha, dtype=np.float64))[:max_k]
+            if values.size == 0:
+                raise ValueError(f"alphas[{row}] must be a float or a non-empty per-position list")
+            per_position[row, : values.size], per_position[row, values.size :] = values, values[-1]
+    invalid = np.flatnonzero(~((per_position >= 0) & (per_position <= 1)).all(axis=1))
+    if invalid.size:
+        raise ValueError(f"alphas[{invalid[0]}] must be in [0, 1], got {alphas[invalid[0]]!r}")
+    return np.cumprod(per_position, axis=1)
 
 
 def choose_num_spec_tokens(
@@ -266,10 +276,11 @@ def choose_num_spec_tokens(
     depth = np.tile(np.arange(1, max_k + 1), num_requests)  # [B * max_k]
     order = np.lexsort((depth, -gains))  # by gain desc, then depth asc
     gains, depth, owner = gains[order], depth[order], order // max_k
-    rows = np.zeros_like(depth)  # rows at this depth once this token is added
-    for d in range(1, max_k + 1):
-        at_depth = depth == d
-        rows[at_depth] = np.arange(1, int(at_depth.sum()) + 1)
+    # rows[t]: requests drafting at depth[t] once token t is added (its rank within its depth)
+    by_depth = np.argsort(depth, kind="stable")
+    group_start = np.searchsorted(depth[by_depth], depth[by_depth])
+    rows = np.empty_like(depth)
+    rows[by_depth] = np.arange(1, depth.shape[0] + 1) - group_start
     draft_delta = cost.costs("draft", rows) - cost.costs("draft", rows - 1)
     if not draft_per_token:
         draft_delta = np.where(depth == 1, draft_delta, 0.0)

@@ -37,11 +37,8 @@ class SpecController:
 
         counts = [1, 2, 4, 8, 16, 32, 64]
         for n in counts:
-            self.cost.observe("target", n, time_forward(runner, n))
-            if draft_runner is not None:
-                self.cost.observe("draft", n, time_forward(draft_runner, n))
-            else:
-                self.cost.observe("draft", n, 0.0)
+            self.cost.set("target", n, time_forward(runner, n))
+            self.cost.set("draft", n, time_forward(draft_runner, n) if draft_runner is not None else 0.0)
 
     def num_tokens_for(self, req: Request, running: list[Request]) -> int:
         if not self.adaptive:
@@ -55,7 +52,8 @@ class SpecController:
 
         reqs = [r for r in running if r.sampling_params.use_speculation and r.is_decoding]
         others = sum(r.num_tokens - r.num_computed_tokens for r in running if not r.is_decoding)
-        alphas = [self.acceptance.acceptance(r.request_id) for r in reqs]
+        # per-position conditional acceptance: copy-style proposers accept in bursts
+        alphas = [self.acceptance.position_acceptance(r.request_id) for r in reqs]
         ks = choose_num_spec_tokens(alphas, self.max_k, self.cost, num_other_tokens=others,
                                     draft_per_token=self.draft_is_model) if reqs else []
         self._plan = {r.request_id: k for r, k in zip(reqs, ks)}

@@ -47,4 +47,5 @@ class TokenListProposer(Proposer):
         return DraftProposal([list(d)[:k] for d, k in zip(drafts, num_spec)], None)
 
     def on_request_finished(self, request: Request) -> None:
-        self.impl.on_request_finished(request.request_id, request.all_token_ids)
+        self.impl.on_request_finished(request.request_id, request.all_token_ids,
+                                      num_prompt_tokens=request.num_prompt_tokens)

@@ -34,7 +34,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specdec.spec.ngram import TokenArrayCache, common_suffix_lengths, validate_num_speculative_tokens
+from specdec.spec.ngram import (
+    TokenArrayCache,
+    common_suffix_lengths,
+    earlier_match_ends,
+    validate_num_speculative_tokens,
+)
 
 
 def draft_from_occurrences(
@@ -44,6 +49,11 @@ def draft_from_occurrences(
     (ascending positions). Returns (draft, score = sum of path probabilities).
     Negative haystack ids are sequence separators: an occurrence that reaches one drops out."""
     num_haystack = haystack.shape[0]
+    if ends.shape[0] == 1:  # one occurrence: copy its run up to a separator
+        run = haystack[int(ends[0]) + 1 : int(ends[0]) + 1 + max_len]
+        separators = np.flatnonzero(run < 0)
+        draft = (run[: separators[0]] if separators.size else run).tolist()
+        return draft, float(len(draft))
     idx = ends[:, None] + np.arange(1, max_len + 1)  # [C, max_len]
     window = np.where(idx < num_haystack, haystack[np.minimum(idx, num_haystack - 1)], -1)
     alive = np.arange(ends.shape[0])
@@ -87,18 +97,25 @@ def _most_frequent_latest(values: np.ndarray) -> tuple[int, int]:
 
 
 class GlobalTokenStore:
-    """Bounded store of finished requests' tokens: one flat array, -1 between sequences,
-    a sorted (bigram key, position) index over the older part and a linear-scanned tail.
-    When full, the oldest sequences are evicted down to 3/4 of ``max_tokens``."""
+    """Bounded store of finished requests' tokens: one flat array with -1 between
+    sequences, indexed by bigram (previous, last) -> end positions.
 
-    def __init__(self, max_tokens: int):
+    The index is a log-structured set of sorted (key, position) segments, oldest and
+    largest first, plus a linearly scanned tail of at most ``tail_tokens`` tokens. A full
+    tail becomes a segment; adjacent segments merge while the newer is at least half the
+    older, so there are O(log N) segments and each token is re-sorted O(log N) times
+    (merges are a stable sort of two sorted runs: linear time). When the store exceeds
+    ``max_tokens`` the oldest sequences are evicted down to 3/4 of it.
+    """
+
+    def __init__(self, max_tokens: int, tail_tokens: int = 4096):
         self.max_tokens = max_tokens
+        self.tail_tokens = tail_tokens
         self.tokens = np.full(1024, -1, dtype=np.int64)
         self.num_tokens = 0
         self.sequence_starts: list[int] = []
-        self._keys = np.empty(0, dtype=np.int64)  # [num_index] sorted bigram keys
-        self._positions = np.empty(0, dtype=np.int64)  # [num_index] end position of each bigram
-        self.num_indexed = 0
+        self.segments: list[tuple[np.ndarray, np.ndarray]] = []  # (keys [n] sorted, end positions [n])
+        self.num_indexed = 0  # tokens[:num_indexed] are in segments
 
     def add(self, tokens: np.ndarray) -> None:
         tokens = tokens[-(self.max_tokens // 2):]
@@ -113,8 +130,21 @@ class GlobalTokenStore:
         self.tokens[self.num_tokens : self.num_tokens + needed - 1] = tokens
         self.tokens[self.num_tokens + needed - 1] = -1
         self.num_tokens += needed
-        if self.num_tokens - self.num_indexed > max(4096, self.num_indexed // 4):
-            self._reindex()
+        if self.num_tokens - self.num_indexed > self.tail_tokens:
+            self._index_tail()
+
+    def _index_tail(self) -> None:
+        ends = np.arange(max(self.num_indexed, 1), self.num_tokens)
+        ends = ends[(self.tokens[ends - 1] >= 0) & (self.tokens[ends] >= 0)]
+        keys = (self.tokens[ends - 1] << 32) | self.tokens[ends]
+        order = np.argsort(keys, kind="stable")
+        self.segments.append((keys[order], ends[order]))
+        self.num_indexed = self.num_tokens
+        while len(self.segments) > 1 and self.segments[-2][0].shape[0] <= 2 * self.segments[-1][0].shape[0]:
+            (older_keys, older_ends), (newer_keys, newer_ends) = self.segments.pop(-2), self.segments.pop()
+            keys, ends = np.concatenate([older_keys, newer_keys]), np.concatenate([older_ends, newer_ends])
+            order = np.argsort(keys, kind="stable")  # stable: positions stay ascending within a key
+            self.segments.append((keys[order], ends[order]))
 
     def _evict(self, target_tokens: int) -> None:
         drop = 0
@@ -125,30 +155,27 @@ class GlobalTokenStore:
         self.tokens[: kept.shape[0]] = kept
         self.tokens[kept.shape[0] : self.num_tokens] = -1
         self.num_tokens = kept.shape[0]
+        self.num_indexed = max(self.num_indexed - cut, 0)
         self.sequence_starts = [start - cut for start in self.sequence_starts[drop:]]
-        self._reindex()
-
-    def _reindex(self) -> None:
-        self.num_indexed = self.num_tokens
-        if self.num_tokens < 2:
-            self._keys, self._positions = self._keys[:0], self._positions[:0]
-            return
-        previous, current = self.tokens[: self.num_tokens - 1], self.tokens[1 : self.num_tokens]
-        valid = np.flatnonzero((previous >= 0) & (current >= 0)) + 1
-        keys = (self.tokens[valid - 1] << 32) | self.tokens[valid]
-        order = np.argsort(keys, kind="stable")  # stable: positions stay ascending per key
-        self._keys, self._positions = keys[order], valid[order]
+        segments, self.segments = self.segments, []
+        for keys, ends in segments:
+            keep = ends > cut  # an end at `cut` would pair with the evicted separator before it
+            if keep.any():
+                self.segments.append((keys[keep], ends[keep] - cut))
 
     def occurrences(self, previous: int, last: int, max_candidates: int) -> np.ndarray:
         """Ascending end positions e with tokens[e-1:e+1] == [previous, last], most recent
         ``max_candidates`` only."""
         key = (previous << 32) | last
-        lo, hi = np.searchsorted(self._keys, [key, key + 1])
-        indexed = self._positions[max(lo, hi - max_candidates) : hi]
+        found = []
+        for keys, ends in self.segments:
+            lo, hi = np.searchsorted(keys, (key, key + 1))
+            if hi > lo:
+                found.append(ends[max(lo, hi - max_candidates) : hi])
         start = max(self.num_indexed - 1, 0)
         tail = self.tokens[start : self.num_tokens]
-        recent = np.flatnonzero((tail[:-1] == previous) & (tail[1:] == last)) + start + 1
-        return np.concatenate([indexed, recent])[-max_candidates:]
+        found.append(np.flatnonzero((tail[:-1] == previous) & (tail[1:] == last)) + start + 1)
+        return np.concatenate(found)[-max_candidates:]
 
 
 class SuffixProposer:
@@ -160,7 +187,7 @@ class SuffixProposer:
         min_token_prob: float = 0.1,
         max_store_tokens: int = 1 << 20,
         store_prompt_tail: int = 16,
-        max_candidates: int = 256,
+        max_candidates: int = 64,
     ):
         validate_num_speculative_tokens(num_speculative_tokens)
         for name, value, low in (("max_depth", max_depth, 2), ("max_store_tokens", max_store_tokens, 0),
@@ -191,7 +218,10 @@ class SuffixProposer:
             )
         drafts = []
         for tokens, num_wanted, request_id in zip(token_ids, num_tokens, request_ids):
-            self._num_prompt_tokens.setdefault(request_id, len(tokens))
+            if request_id not in self._num_prompt_tokens:
+                if len(self._num_prompt_tokens) >= self._token_arrays.max_requests:  # finish never came
+                    del self._num_prompt_tokens[next(iter(self._num_prompt_tokens))]
+                self._num_prompt_tokens[request_id] = len(tokens)
             k = min(num_wanted, self.num_speculative_tokens)
             drafts.append(self._propose_one(self._token_arrays.view(request_id, tokens), k) if k > 0 else [])
         return drafts
@@ -200,11 +230,9 @@ class SuffixProposer:
         num_context = context.shape[0]
         if num_context < 2:
             return []
-        local_ends = np.flatnonzero(context[: num_context - 1] == context[-1])
+        local_ends = earlier_match_ends(context, 1, self.max_depth)
         draft, score = self._draft_from_source(context, local_ends, context, k)
-        if score >= k:  # a certain full-length draft: the store cannot do better
-            return draft
-        if self.store.max_tokens == 0:
+        if score >= k or self.store.max_tokens == 0:  # a certain full-length draft can't be beaten
             return draft
         global_ends = self.store.occurrences(int(context[-2]), int(context[-1]), self.max_candidates)
         global_draft, global_score = self._draft_from_source(self.store.tokens, global_ends, context, k)

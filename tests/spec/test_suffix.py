@@ -117,11 +117,12 @@ def test_draft_stops_at_separators_and_low_probability():
 
 def test_global_store_occurrences_match_brute_force_across_index_tail_and_eviction():
     rng = np.random.default_rng(1)
-    store = GlobalTokenStore(max_tokens=20_000)
+    store = GlobalTokenStore(max_tokens=20_000, tail_tokens=300)
     sequences = [rng.integers(0, 5, size=rng.integers(50, 3000)) for _ in range(40)]
     for sequence in sequences:
         store.add(sequence)
         assert store.num_tokens <= store.max_tokens
+        assert len(store.segments) <= 8  # log-structured: O(log(max_tokens / tail_tokens))
         tokens = store.tokens[: store.num_tokens]
         expected = np.flatnonzero((tokens[:-1] == 3) & (tokens[1:] == 4)) + 1
         np.testing.assert_array_equal(store.occurrences(3, 4, 10**9), expected)
@@ -196,6 +197,9 @@ def test_suffix_beats_prompt_lookup_on_code_editing_and_agentic_workloads():
             ngram = simulate(NgramProposer(lookup_min, lookup_max, 8), sequences, 8)
             assert suffix.mean_accepted_per_step > ngram.mean_accepted_per_step, (name, lookup_min, lookup_max)
             assert suffix.acceptance_rate > ngram.acceptance_rate, (name, lookup_min, lookup_max)
+    agent_without_store = simulate(SuffixProposer(8, max_store_tokens=0), workloads["agent"], 8)
+    assert simulate(SuffixProposer(8), workloads["agent"], 8).mean_accepted_per_step > 2 * (
+        agent_without_store.mean_accepted_per_step)  # the template is learnt from earlier requests
 
 
 def main() -> None:  # python tests/spec/test_suffix.py [K]

@@ -1,0 +1,67 @@
+"""Admission control: a bounded number of in-flight sequences, FIFO when waiting.
+
+Capacity is ``max_num_seqs`` (the running batch) + ``max_queue`` (sequences allowed to
+wait for a batch slot). A request of P prompts with ``n`` completions each needs P * n
+slots. Policy "reject" answers 503 at once when they are not free; "wait" queues the
+request in arrival order until they are. Lives on the event loop: not thread-safe.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+POLICIES = ("reject", "wait")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Admission:
+    def __init__(self, capacity: int, policy: str = "reject"):
+        if capacity < 1:
+            raise ValueError(f"admission capacity must be >= 1, got {capacity}")
+        if policy not in POLICIES:
+            raise ValueError(f"queue_full_policy must be one of {POLICIES}, got {policy!r}")
+        self.capacity = capacity
+        self.policy = policy
+        self.num_in_use = 0
+        self._waiters: deque[tuple[int, asyncio.Future]] = deque()
+
+    def can_acquire(self, num_slots: int) -> bool:
+        return not self._waiters and self.num_in_use + num_slots <= self.capacity
+
+    async def acquire(self, num_slots: int) -> None:
+        """Take ``num_slots`` or raise QueueFull ("reject") / wait for them ("wait")."""
+        if num_slots > self.capacity:
+            raise ValueError(f"the request needs {num_slots} sequences (prompts x n), more than this server's "
+                             f"capacity of {self.capacity}")
+        if self.can_acquire(num_slots):
+            self.num_in_use += num_slots
+            return
+        if self.policy == "reject":
+            raise QueueFull(f"server is at capacity ({self.num_in_use}/{self.capacity} sequences in flight); retry later")
+        future = asyncio.get_running_loop().create_future()
+        entry = (num_slots, future)
+        self._waiters.append(entry)
+        try:
+            await future  # release() hands the slots over before waking us
+        except BaseException:
+            if future.done() and not future.cancelled():
+                self.release(num_slots)  # granted and cancelled in the same tick: give them back
+            else:
+                if entry in self._waiters:
+                    self._waiters.remove(entry)
+                self._wake()
+            raise
+
+    def release(self, num_slots: int) -> None:
+        self.num_in_use -= num_slots
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self.num_in_use + self._waiters[0][0] <= self.capacity:
+            num_slots, future = self._waiters.popleft()
+            if not future.done():
+                self.num_in_use += num_slots
+                future.set_result(None)

@@ -1,0 +1,222 @@
+"""AsyncEngine: the synchronous LLMEngine driven by one background thread.
+
+The event loop never touches the engine. It puts commands (add / abort / stop) on a
+thread-safe queue; the engine thread applies every queued command, runs one step, and
+hands that step's outputs back to the loop in one ``call_soon_threadsafe`` batch, each to
+the ``asyncio.Queue`` (the "sink") of the HTTP request that submitted it. An abort is
+applied before the next step, so a departed client's KV blocks are free within one step.
+
+Outputs are cumulative (full text / token ids so far), so a slow consumer may skip to the
+latest one. A sink receives RequestOutput objects, or an Exception if the request failed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from specdec.engine.engine import LLMEngine
+from specdec.outputs import RequestOutput
+from specdec.sampling_params import SamplingParams
+from specdec.server.metrics import ServerMetrics
+
+logger = logging.getLogger("specdec.server")
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+
+
+@dataclass
+class _Live:
+    """Engine-thread bookkeeping for one submitted request."""
+    sink: asyncio.Queue
+    arrival: float
+    num_tokens: list[int]  # per completion, for latency metrics
+    last_delivery: float | None = None
+    prompt_len: int = 0
+
+
+@dataclass
+class _Command:
+    kind: str  # "add" | "abort" | "stop"
+    requests: list[EngineRequest] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+    sink: asyncio.Queue | None = None
+    arrival: float = 0.0
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.snapshot: dict = {}  # engine.get_metrics() after the last step; replaced whole, never mutated
+        self.error: BaseException | None = None  # set if the engine thread died
+
+    # ---- event-loop side ----
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._publish_snapshot()
+        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def submit(self, requests: list[EngineRequest], sink: asyncio.Queue) -> None:
+        if not self.is_alive:
+            raise EngineDead(f"the engine is not running: {self.error!r}")
+        self._commands.put(_Command("add", requests=requests, sink=sink, arrival=time.monotonic()))
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._commands.put(_Command("abort", request_ids=list(request_ids)))
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Abort whatever is still running and join the engine thread."""
+        if self._thread is None:
+            return
+        self._commands.put(_Command("stop"))
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("engine thread did not stop within %.0f s", timeout)
+
+    # ---- engine thread ----
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                if not self._apply_commands(block=idle):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._publish_snapshot()
+        except BaseException as e:  # a bug: fail every request loudly rather than hang them
+            logger.exception("engine thread died")
+            self.error = e
+            self._fail_all(EngineDead(f"engine failure: {e!r}"))
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if ``block``); False once told to stop."""
+        try:
+            cmd = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd.kind == "stop":
+                self._abort(list(self._live))
+                self._fail_all(EngineDead("server is shutting down"))
+                self._publish_snapshot()
+                return False
+            if cmd.kind == "add":
+                self._add(cmd)
+            else:
+                self._abort(cmd.request_ids)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, cmd: _Command) -> None:
+        added = []
+        for req in cmd.requests:
+            try:
+                self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, prompt=req.prompt)
+            except ValueError as e:  # all-or-nothing: one bad prompt fails the whole HTTP request
+                self.engine.abort_request(added)
+                for rid in added:
+                    self._live.pop(rid, None)
+                self._deliver([(cmd.sink, e)])
+                return
+            added.append(req.request_id)
+            self._live[req.request_id] = _Live(cmd.sink, cmd.arrival, [0] * req.params.n,
+                                               prompt_len=len(req.prompt_token_ids))
+
+    def _abort(self, request_ids: list[str]) -> None:
+        live = [rid for rid in request_ids if rid in self._live]
+        self.engine.abort_request(live)
+        for rid in live:
+            del self._live[rid]
+            if self.metrics:
+                self.metrics.request_finished("abort")
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+            logger.exception("engine step failed; failing the requests in the batch")
+            self._fail_all(RuntimeError(f"engine step failed: {e!r}"), abort=True)
+            return
+        now = time.monotonic()
+        batch = []
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue  # aborted after this step was scheduled
+            self._observe(live, out, now)
+            batch.append((live.sink, out))
+            if out.finished:
+                del self._live[out.request_id]
+        self._deliver(batch)
+
+    def _observe(self, live: _Live, out: RequestOutput, now: float) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        num_new = 0
+        for c in out.outputs:
+            num_new += len(c.token_ids) - live.num_tokens[c.index]
+            live.num_tokens[c.index] = len(c.token_ids)
+        if live.last_delivery is None and num_new:
+            m.ttft.observe(now - live.arrival)
+            m.prompt_tokens.inc(live.prompt_len)
+        m.observe_tokens(num_new, None if live.last_delivery is None else now - live.last_delivery)
+        if num_new:
+            live.last_delivery = now
+        if out.finished:
+            m.e2e.observe(now - live.arrival)
+            m.request_finished(out.outputs[0].finish_reason or "abort")
+
+    def _fail_all(self, error: BaseException, abort: bool = False) -> None:
+        if abort:
+            try:
+                self.engine.abort_request(list(self._live))
+            except Exception:  # noqa: BLE001
+                logger.exception("abort after a failed step also failed")
+        batch = [(live.sink, error) for live in self._live.values()]
+        self._live.clear()
+        self._deliver(batch)
+
+    def _deliver(self, batch: list) -> None:
+        if not batch or self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _publish_snapshot(self) -> None:
+        snap = self.engine.get_metrics()
+        snap["num_in_flight"] = len(self._live)
+        self.snapshot = snap
+
+
+def _put_all(batch: list) -> None:
+    for sink, item in batch:
+        sink.put_nowait(item)

@@ -1,0 +1,95 @@
+"""Generation: the engine requests behind one HTTP request, from admission to cleanup.
+
+``admit`` takes admission slots, ``submit`` hands the prompts to the engine thread,
+``updates`` yields the outputs that changed (coalescing cumulative outputs a slow reader
+missed), and ``close`` — always called, however the HTTP request ends — aborts whatever is
+unfinished and returns the slots. Event-loop thread only.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from specdec.outputs import RequestOutput
+from specdec.sampling_params import SamplingParams
+from specdec.server.admission import Admission, QueueFull
+from specdec.server.async_engine import AsyncEngine, EngineDead, EngineRequest
+from specdec.server.protocol import APIError
+
+
+class Generation:
+    def __init__(self, engine: AsyncEngine, admission: Admission, base_id: str, prompt_ids: list[list[int]],
+                 prompt_texts: list[str | None], params: SamplingParams):
+        self.engine = engine
+        self.admission = admission
+        self.params = params
+        self.requests = [EngineRequest(f"{base_id}-{i}", ids, params, text)
+                         for i, (ids, text) in enumerate(zip(prompt_ids, prompt_texts))]
+        self.index = {r.request_id: i for i, r in enumerate(self.requests)}
+        self.latest: list[RequestOutput | None] = [None] * len(self.requests)
+        self.unfinished = set(self.index)
+        self.num_slots = len(self.requests) * params.n
+        self.num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
+        self._sink: asyncio.Queue = asyncio.Queue()
+        self._admitted = False
+        self._submitted = False
+        self._closed = False
+
+    async def admit(self) -> None:
+        if self._admitted:
+            return
+        try:
+            await self.admission.acquire(self.num_slots)
+        except QueueFull as e:
+            raise APIError(503, str(e), code="queue_full") from None
+        except ValueError as e:
+            raise APIError(400, str(e), param="n") from None
+        self._admitted = True
+
+    def submit(self) -> None:
+        try:
+            self.engine.submit(self.requests, self._sink)
+        except EngineDead as e:
+            raise APIError(503, str(e), code="engine_unavailable") from None
+        self._submitted = True
+
+    async def start(self) -> None:
+        await self.admit()
+        if not self._submitted:
+            self.submit()
+
+    async def updates(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """Yield ``[(prompt_index, latest cumulative output)]`` for the prompts that advanced."""
+        while self.unfinished:
+            items = [await self._sink.get()]
+            while not self._sink.empty():
+                items.append(self._sink.get_nowait())
+            changed: dict[int, RequestOutput] = {}
+            for item in items:
+                if isinstance(item, BaseException):
+                    raise _as_api_error(item)
+                i = self.index[item.request_id]
+                self.latest[i] = changed[i] = item
+                if item.finished:
+                    self.unfinished.discard(item.request_id)
+            yield sorted(changed.items())
+
+    def close(self) -> None:
+        """Abort the unfinished engine requests and free the admission slots (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._submitted and self.unfinished:
+            self.engine.abort(sorted(self.unfinished))
+        if self._admitted:
+            self.admission.release(self.num_slots)
+
+
+def _as_api_error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ValueError):
+        return APIError(400, str(e))
+    if isinstance(e, EngineDead):
+        return APIError(503, str(e), code="engine_unavailable")
+    return APIError(500, f"internal error: {e}")

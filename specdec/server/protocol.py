@@ -1,0 +1,202 @@
+"""OpenAI request bodies (pydantic, strict types) and the error shape every failure uses.
+
+Request models turn themselves into ``SamplingParams``; any ``ValueError`` on the way
+becomes an ``APIError`` (HTTP 400) whose ``param`` names the field as the client spelled it.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from specdec.sampling_params import SamplingParams
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                503: "service_unavailable_error", 500: "internal_server_error"}
+
+
+class APIError(Exception):
+    """An error a client can see: HTTP status + OpenAI's ``{"error": {...}}`` body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "api_error"),
+                          "param": self.param, "code": self.code if self.code is not None else self.status}}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first pydantic error, as a 400 naming the field path (``messages.0.content``)."""
+    err = e.errors(include_url=False)[0]
+    loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
+    received = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], (dict, list)) else ""
+    return APIError(400, f"invalid value for '{loc}': {err['msg']}{received}", param=loc or None)
+
+
+def _is_union_tag(part) -> bool:  # pydantic names union members in loc: "list[int]", "function-after[...]"
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+
+
+class _Strict(BaseModel):
+    # strict: "5" is not an int and true is not a number; unknown fields are ignored as OpenAI does
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by both endpoints; None means "the default"."""
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM-compatible extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False  # each choice (and stream delta) also carries the generated token ids
+    # specdec extension: decode this request without speculation (same batch)
+    use_speculation: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = dict(
+            n=self.n, seed=self.seed, stop=self.stop, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, use_speculation=self.use_speculation,
+        )
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        return kw
+
+
+def make_sampling_params(kw: dict[str, Any], rename: dict[str, str] | None = None) -> SamplingParams:
+    """``SamplingParams(**kw)``; its ValueError ("SamplingParams.top_p must be ...") becomes a 400
+    whose param is the request's own spelling of the field."""
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        match = re.match(r"SamplingParams\.(\w+) (.*)", str(e), re.S)
+        if not match:
+            raise APIError(400, str(e)) from None
+        field = (rename or {}).get(match.group(1), match.group(1))
+        raise APIError(400, f"{field} {match.group(2)}", param=field) from None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        self._check_unsupported()
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, f"best_of must equal n ({self.n}) when given, got {self.best_of}", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
+        return make_sampling_params({**self._sampling_kwargs(), "max_tokens": self.max_tokens, "logprobs": self.logprobs})
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")  # name, tool_call_id ... pass to the template
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_template_dict(self) -> dict:
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "".join(part.text for part in self.content)
+        return out
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        self._check_unsupported()
+        if self.tools:
+            raise APIError(400, "tools (function calling) are not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        max_field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        kw = {**self._sampling_kwargs(), "max_tokens": max_tokens, "logprobs": logprobs}
+        return make_sampling_params(kw, rename={"max_tokens": max_field, "logprobs": "top_logprobs"})
+
+    def template_messages(self) -> list[dict]:
+        return [m.as_template_dict() for m in self.messages]
+
+
+def parse_request(model: type[BaseModel], body: bytes):
+    """Raw body -> request model; malformed JSON and wrong types are 400s naming the problem."""
+    import json
+
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None

