@@ -314,7 +314,8 @@ rows = [
                                 f"{fmt(eng.get('decode_roofline_fraction'), '.0%')} of roofline"),
     ("specdec replay a=0.8 K=5", f"{fmt(eng.get('replay_tok_s'))} tok/s, speedup {fmt(eng.get('speedup'), '.2f')}x, "
                                  f"efficiency {fmt(eng.get('system_efficiency'), '.0%')} of bound "
-                                 f"{fmt(eng.get('bound_tokens_per_step'), '.2f')}"),
+                                 f"{fmt(eng.get('bound_tokens_per_step'), '.2f')}, mean acceptance length "
+                                 f"{fmt(eng.get('metrics', {}).get('mean_acceptance_length'), '.2f')}"),
 ]
 if eng.get("skipped"):
     rows[-2] = ("specdec engine", eng["skipped"])

@@ -92,7 +92,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     quantization: str | None = None  # "int8": weight-only int8 for the target (changes outputs: opt-in)
     speculative_config: SpeculativeConfig | None = None
-    attention_backend: str = "auto"  # "torch" (reference) or "triton" (GPU)
+    attention_backend: str = "auto"  # "reference" (per-request loop), "torch" (batched SDPA) or "triton" (GPU)
     num_threads: int | None = None
     spec_cost_calibration: bool = True
     extra: dict = field(default_factory=dict)

@@ -141,10 +141,12 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
 
 
 def _attention_backend(cfg: EngineConfig, device):
-    from specdec.layers.attention import paged_attention_reference
+    from specdec.layers.attention import paged_attention_reference, paged_attention_torch
 
-    if cfg.attention_backend == "torch" or (cfg.attention_backend == "auto" and device.type != "cuda"):
+    if cfg.attention_backend == "reference":
         return paged_attention_reference
+    if cfg.attention_backend == "torch" or (cfg.attention_backend == "auto" and device.type != "cuda"):
+        return paged_attention_torch
     try:
         from specdec.kernels.paged_attention import paged_attention_triton
     except ImportError as e:

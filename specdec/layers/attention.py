@@ -87,3 +87,38 @@ def paged_attention_reference(
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[start:end] = o.transpose(0, 1)
     return out
+
+
+def paged_attention_torch(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """The reference's result with one SDPA call when every request has the same query length
+    (pure decode steps, or verification steps with the same K): keys are gathered through the
+    block tables into a padded [R, L] batch and masked per request. Mixed steps (prefill
+    chunks next to decode rows) fall back to the per-request reference."""
+    qsl = meta.query_start_loc_cpu
+    num_reqs = meta.num_reqs
+    q_len = qsl[1] - qsl[0] if num_reqs else 0
+    if num_reqs <= 1 or qsl[-1] != q_len * num_reqs:
+        return paged_attention_reference(query, kv_cache, meta, scale)
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    bs = meta.block_size
+    max_len = max(meta.seq_lens_cpu)
+    num_blocks = -(-max_len // bs)
+    table = meta.block_tables[:, :num_blocks]  # [R, nb]
+    k = kv_cache[0][table].view(num_reqs, num_blocks * bs, num_kv_heads, head_dim)[:, :max_len]
+    v = kv_cache[1][table].view(num_reqs, num_blocks * bs, num_kv_heads, head_dim)[:, :max_len]
+    q = query.view(num_reqs, q_len, num_heads, head_dim).transpose(1, 2)  # [R, H, q, D]
+    # row j of request r sees keys <= seq_len[r] - q_len + j (bottom-right causal, padded keys hidden)
+    rows = torch.arange(q_len, device=query.device).view(1, q_len, 1)
+    cols = torch.arange(max_len, device=query.device).view(1, 1, max_len)
+    mask = cols <= (meta.seq_lens.view(-1, 1, 1) - q_len + rows)  # [R, q, L]
+    out = F.scaled_dot_product_attention(
+        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1), scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out.transpose(1, 2).reshape(-1, num_heads, head_dim)

@@ -58,6 +58,12 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    def forward_fused(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        """Rotate queries and keys in one pass: qk is [T, H + Hkv, D] (a view of the qkv output)."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(qk, cos, sin)
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2

@@ -56,13 +56,17 @@ class Attention(nn.Module):
 
     def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is None:
+            # queries and keys are adjacent in the fused output: rotate both in one pass
+            qk = self.rotary.forward_fused(positions, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
+        else:
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary(positions, q, k)
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         out = self.attn_fn(q, kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))

@@ -60,14 +60,23 @@ def make_tiny_model(
         raise ValueError(f"arch must be one of {sorted(_ARCHS)}, got {arch!r}")
     cfg_name, model_name = _ARCHS[arch]
     tokenizer = tokenizer or make_tokenizer(vocab_size)
-    vocab_size = max(vocab_size, len(tokenizer))
-    config = getattr(transformers, cfg_name)(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        **extra,
-    )
+    out = Path(out_dir)
+
+    def build_config(vocab: int):
+        return getattr(transformers, cfg_name)(
+            vocab_size=vocab, hidden_size=hidden_size, intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, **extra,
+        )
+
+    # the architecture decides which tokenizer class AutoTokenizer builds (Qwen2's adds a
+    # special token): size the vocabulary from the tokenizer as it will be loaded
+    build_config(vocab_size).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    vocab_size = max(vocab_size, len(transformers.AutoTokenizer.from_pretrained(out)))
+    config = build_config(vocab_size)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():  # larger logits than the default init, so sampling is not near-uniform
@@ -78,9 +87,7 @@ def make_tiny_model(
                     param.normal_(0.0, 0.1)
                 elif "norm" in name:
                     param.copy_(1.0 + 0.3 * torch.randn_like(param))
-    out = Path(out_dir)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)
-    tokenizer.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     return out

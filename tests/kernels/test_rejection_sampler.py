@@ -50,9 +50,10 @@ def _row_starts(num_draft_tokens):
 
 
 def run_both(params, num_draft_tokens, target_logits, draft_token_ids, draft_probs, seeds, global_seed):
-    """Call reference and kernel with identical generator states; return both results."""
+    """Call reference and kernel with identical generator states (both on DEVICE, since CPU
+    and CUDA generators give different streams); return both results."""
     results = []
-    for fn, device in ((rejection_sample, "cpu"), (kernels.rejection_sample_triton, DEVICE)):
+    for fn, device in ((rejection_sample, DEVICE), (kernels.rejection_sample_triton, DEVICE)):
         generators = [None if s is None else torch.Generator(device=device).manual_seed(s) for s in seeds]
         meta = SamplingMetadata.from_params(params, generators, device)
         torch.manual_seed(global_seed)

@@ -126,3 +126,18 @@ def server(_servers) -> ServerProcess:
 @pytest.fixture(scope="session")
 def spec_server(_servers) -> ServerProcess:
     return _servers[1]
+
+
+@pytest.fixture
+def make_server(tiny_model, tmp_path):
+    """make_server(extra_args) -> a ready ServerProcess of its own, terminated after the test."""
+    started = []
+
+    def make(extra_args: list[str]) -> ServerProcess:
+        srv = ServerProcess(tiny_model, extra_args, tmp_path / f"server{len(started)}.log")
+        started.append(srv)
+        return srv.wait_ready()
+
+    yield make
+    for srv in started:
+        srv.terminate()
