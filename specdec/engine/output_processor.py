@@ -21,7 +21,7 @@ class OutputProcessor:
     def append_token(self, req: Request, token: int) -> RequestStatus | None:
         """Append one token; return the finishing status if this token ends the request."""
         params = req.sampling_params
-        req.output_token_ids.append(token)
+        req.append_output_token(token)
         n = req.num_output_tokens
         if n >= params.min_tokens:
             if not params.ignore_eos and token in req.eos_token_ids:

@@ -51,6 +51,7 @@ class Request:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -66,11 +67,14 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt + output, kept incrementally (read-only for callers: append via append_output_token)."""
+        if len(self._all_token_ids) != self.num_tokens:
+            self._all_token_ids = self.prompt_token_ids + self.output_token_ids
+        return self._all_token_ids
 
-    def token_id_at(self, position: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+    def append_output_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self._all_token_ids.append(token)
 
     @property
     def is_finished(self) -> bool:

@@ -23,7 +23,10 @@ def resolve_model_path(model: str) -> str:
     if os.path.isdir(model):
         return model
     if resolve_model is not None:
-        return str(resolve_model(model))
+        try:
+            return str(resolve_model(model))
+        except FileNotFoundError as e:  # a user error like any other bad argument: one ValueError
+            raise ValueError(str(e)) from None
     raise ValueError(f"model path {model!r} does not exist")
 
 

