@@ -43,7 +43,7 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             bad("n", self.n, "an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:  # NaN fails too
             bad("temperature", self.temperature, "a number >= 0")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", self.top_p, "in (0, 1]")
@@ -71,7 +71,7 @@ class SamplingParams:
             bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
         if not isinstance(self.frequency_penalty, (int, float)) or not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
+        if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0:
             bad("repetition_penalty", self.repetition_penalty, "> 0")
 
     @property

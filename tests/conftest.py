@@ -87,7 +87,7 @@ def other_draft_path(make_model) -> str:
 def noisy_draft_path(llama_path, tmp_path_factory) -> str:
     """The target's weights plus noise: guesses are often but not always right, so both the
     accept and the reject paths of verification run."""
-    return perturbed_copy(llama_path, tmp_path_factory.mktemp("noisy_draft"), scale=0.6, seed=3)
+    return perturbed_copy(llama_path, tmp_path_factory.mktemp("noisy_draft"), scale=0.1, seed=3)
 
 
 def perturbed_copy(src: str, dst: Path, scale: float, seed: int) -> str:

@@ -22,6 +22,7 @@ def add_common_args(p: argparse.ArgumentParser, output_len: int = 128) -> None:
                    help="random token ids, or windows of fixed source text")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--num-iters", type=int, default=5, help="timed repetitions (A/B interleaved; medians)")
+    g.add_argument("--bandwidth-mib", type=int, default=512, help="buffer size of the bandwidth copy test")
     g.add_argument("--output-json", default=None)
     g.add_argument("--plot", default=None, metavar="FILE.png")
 

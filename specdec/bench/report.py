@@ -138,6 +138,8 @@ def fmt(value, digits: int = 2) -> str:
     if isinstance(value, float):
         if value != value:  # nan
             return "-"
+        if value != 0 and abs(value) < 0.1:
+            return f"{value:.2g}"
         return f"{value:.{digits}f}"
     return str(value)
 

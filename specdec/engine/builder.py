@@ -119,6 +119,12 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         draft_path = resolve_model_path(spec.model)
         draft_cfg = load_config(draft_path)
         check_vocab_compatible(tokenizer, config, load_tokenizer(draft_path), draft_cfg, draft_path)
+        draft_limit = getattr(draft_cfg, "max_position_embeddings", None) or max_model_len
+        if draft_limit < max_model_len:  # drafts stay below max_model_len (the scheduler caps K)
+            if cfg.max_model_len is not None:
+                raise ValueError(f"max_model_len {max_model_len} exceeds the draft model's limit of "
+                                 f"{draft_limit} positions")
+            max_model_len = draft_limit
         draft_dtype = dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, device)
         draft_model = prepare_for_inference(
             load_model(draft_path, draft_dtype, device, attn_fn, draft_cfg), spec.quantization, device)

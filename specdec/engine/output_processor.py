@@ -3,9 +3,13 @@
 A stop inside an accepted speculative run cuts the run there: ``append_token`` is called
 once per emitted token and the caller stops at the first token that finishes the request.
 Stop strings are matched on the detokenised text and, as in vLLM, removed from the output
-text unless ``include_stop_str_in_output``.
+text unless ``include_stop_str_in_output``; a match must end in text that a token past
+``min_tokens`` added. A request stopped by EOS or a stop token id keeps that token in its
+token ids but, as in vLLM, not in its text (unless ``include_stop_str_in_output``).
 """
 from __future__ import annotations
+
+import os
 
 from specdec.engine.request import Request, RequestStatus
 
@@ -30,19 +34,23 @@ class OutputProcessor:
             if token in params.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-            if params.stop and self._check_stop_strings(req):
-                return RequestStatus.FINISHED_STOPPED
+        # the text is tracked from the first token, so text made before min_tokens never matches later
+        if params.stop and self._check_stop_strings(req, match=n > params.min_tokens):
+            return RequestStatus.FINISHED_STOPPED
         if n >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _check_stop_strings(self, req: Request) -> bool:
+    def _check_stop_strings(self, req: Request, match: bool) -> bool:
         params = req.sampling_params
-        text = self.decode(req)
-        tail_from = max(0, len(req.output_text) - max(len(s) for s in params.stop))
+        previous, text = req.output_text, self.decode(req)
         req.output_text = text
+        if not match:
+            return False
+        # where this token's text begins (a trailing partial UTF-8 character may have been rewritten)
+        new_from = len(previous) if text.startswith(previous) else len(os.path.commonprefix([previous, text]))
         for stop in params.stop:
-            idx = text.find(stop, tail_from)
+            idx = text.find(stop, max(0, new_from - len(stop) + 1))  # the match must end in the new text
             if idx >= 0:
                 end = idx + len(stop) if params.include_stop_str_in_output else idx
                 req.output_text = text[:end]
@@ -51,6 +59,10 @@ class OutputProcessor:
         return False
 
     def final_text(self, req: Request) -> str:
-        if req.stop_reason is not None and isinstance(req.stop_reason, str):
+        params = req.sampling_params
+        if isinstance(req.stop_reason, str):
             return req.output_text  # already cut at the stop string
+        if req.status == RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output:
+            # stopped by EOS or a stop token id: the token is in token_ids, not in the text
+            return self.tokenizer.decode(req.output_token_ids[:-1], skip_special_tokens=params.skip_special_tokens)
         return self.decode(req)

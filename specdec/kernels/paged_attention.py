@@ -218,7 +218,7 @@ def paged_attention_triton(
         partial_lse = torch.empty(num_tokens, num_heads, num_kv_splits, dtype=torch.float32, device=query.device)
     else:
         partial_out = partial_lse = out  # unused
-    upcast = interpreting()  # the interpreter cannot do bf16 arithmetic or bf16 tl.dot
+    upcast = DEFINED_FOR_INTERPRETER  # the interpreter cannot do bf16 arithmetic or bf16 tl.dot
     _paged_attention_kernel[(grid_tiles, num_kv_heads, num_kv_splits)](
         out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         partial_out, partial_lse,

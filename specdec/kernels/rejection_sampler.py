@@ -89,6 +89,7 @@ def _random_request(
         valid = offs < vocab_size
         p = tl.load(final_row + offs, mask=valid, other=0.0)
         if HAS_DRAFT_PROBS:
+            # tl.where, not `valid & rejected`: the interpreter turns scalar & vector into int32
             q = tl.load(q_row + offs, mask=tl.where(rejected, valid, False), other=0.0).to(tl.float32)
         else:
             q = tl.where(offs == rejected_draft, 1.0, 0.0)  # rejected_draft is -1 unless rejected
@@ -195,7 +196,7 @@ def rejection_sample_core_triton(
         0 if uniforms is None else uniforms.stride(0),
         0 if exponential_noise is None else exponential_noise.stride(0),
         ALL_GREEDY=all_greedy, ALL_RANDOM=all_random, HAS_DRAFT_PROBS=draft_probs is not None,
-        BLOCK_V=1024, IEEE_DIV=not interpreting(),
+        BLOCK_V=1024, IEEE_DIV=not DEFINED_FOR_INTERPRETER,
         enable_fp_fusion=False,  # keep every product and difference rounded exactly as torch rounds it
         **launch_options(device, threads=256),
     )

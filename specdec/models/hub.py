@@ -20,6 +20,7 @@ exists is complete; a killed pull leaves only tmp/ debris, which the next pull r
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -81,6 +82,10 @@ MODELS: dict[str, ModelSource] = {source.name: source for source in (
 
 class ChecksumMismatchError(ValueError):
     """Assembled bytes differ from the pinned size or sha256; nothing was kept."""
+
+
+class ModelNotFoundError(FileNotFoundError, ValueError):
+    """A model path that does not exist (a ValueError too, so CLIs report it as a user error)."""
 
 
 def cache_dir() -> Path:
@@ -149,7 +154,7 @@ def resolve_model(name_or_path: str) -> str:
     if source is not None:
         return str(pull(source.name))
     if path.suffix.lower() == ".gguf" or path.is_absolute() or name_or_path.startswith((".", "~")) or path.exists():
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist (or is not a directory / .gguf file)")
+        raise ModelNotFoundError(f"model path {str(path)!r} does not exist (or is not a directory / .gguf file)")
     raise ValueError(f"unknown model {name_or_path!r}: not an existing directory or .gguf file, and not a "
                      f"known name. Known names: {', '.join(MODELS)}")
 
@@ -292,7 +297,7 @@ def _build_dir(key: str):
     """A fresh dir under <cache>/tmp, removed afterwards whatever happens; old debris of key too."""
     tmp_root = cache_dir() / "tmp"
     tmp_root.mkdir(parents=True, exist_ok=True)
-    for debris in tmp_root.glob(f"{key}.tmp-*"):  # we hold key's lock, so these are dead runs'
+    for debris in tmp_root.glob(f"{glob.escape(key)}.tmp-*"):  # we hold key's lock, so these are dead runs'
         shutil.rmtree(debris, ignore_errors=True)
     work = Path(tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=tmp_root))
     try:

@@ -40,7 +40,8 @@ class Admission:
             self.num_in_use += num_slots
             return
         if self.policy == "reject":
-            raise QueueFull(f"server is at capacity ({self.num_in_use}/{self.capacity} sequences in flight); retry later")
+            raise QueueFull(f"server is at capacity ({self.num_in_use}/{self.capacity} sequences in flight); "
+                            "retry later")
         future = asyncio.get_running_loop().create_future()
         entry = (num_slots, future)
         self._waiters.append(entry)

@@ -136,10 +136,17 @@ class AsyncEngine:
     def _add(self, cmd: _Command) -> None:
         added = []
         for req in cmd.requests:
+            taken = req.request_id in self.engine.groups  # never with uuid ids; then it is not ours to abort
             try:
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, prompt=req.prompt)
-            except ValueError as e:  # all-or-nothing: one bad prompt fails the whole HTTP request
-                self.engine.abort_request(added)
+            except Exception as e:  # noqa: BLE001 - all-or-nothing: one bad prompt fails its HTTP request only
+                if not isinstance(e, ValueError):
+                    logger.exception("add_request(%s) failed", req.request_id)
+                    e = RuntimeError(f"could not add the request: {e!r}")
+                try:
+                    self.engine.abort_request(added if taken else added + [req.request_id])  # a half-added group
+                except Exception:  # noqa: BLE001
+                    logger.exception("cleaning up after a failed add also failed")
                 for rid in added:
                     self._live.pop(rid, None)
                 self._deliver([(cmd.sink, e)])

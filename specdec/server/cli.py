@@ -6,6 +6,7 @@ import contextlib
 import ipaddress
 import logging
 import os
+import sys
 import signal
 import threading
 
@@ -91,3 +92,17 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m specdec.server [serve flags]``: the same as ``specdec serve``, without the
+    other subcommands' imports."""
+    parser = argparse.ArgumentParser(prog="python -m specdec.server", description="specdec OpenAI-compatible server")
+    add_engine_args(parser)
+    add_server_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return cmd_serve(args)
+    except ValueError as e:
+        print(f"specdec serve: error: {e}", file=sys.stderr)
+        return 2

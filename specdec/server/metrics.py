@@ -75,7 +75,8 @@ class ServerMetrics:
         def histogram(name, doc, buckets):
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
-        self._success = counter("request_success", "Finished prompts (engine requests), by finish reason.", ["finished_reason"])
+        self._success = counter("request_success", "Finished prompts (engine requests), by finish reason.",
+                                ["finished_reason"])
         self._aborted = counter("request_aborted", "Prompts aborted (client gone, shutdown).").labels(model_name)
         self._rejected = counter("request_rejected", "Requests answered with an error, by HTTP status.", ["status"])
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.").labels(model_name)
@@ -106,3 +107,24 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def parse_spec_counters(text: str) -> dict:
+    """From /metrics text: ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens`` (summed
+    over models) and ``per_pos`` (accepted tokens by draft position)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0, "per_pos": []}
+    per_pos: dict[int, float] = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name.removeprefix(PREFIX + "spec_decode_").removesuffix("_total")
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            if name == "num_accepted_tokens_per_pos":
+                pos = int(sample.labels["position"])
+                per_pos[pos] = per_pos.get(pos, 0.0) + sample.value
+            elif name in out:
+                out[name] += sample.value
+    out["per_pos"] = [per_pos.get(i, 0.0) for i in range(max(per_pos, default=-1) + 1)]
+    return out

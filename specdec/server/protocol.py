@@ -56,7 +56,7 @@ class _SamplingFields(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stream: bool = False
@@ -127,7 +127,8 @@ class CompletionRequest(_SamplingFields):
             raise APIError(400, f"best_of must equal n ({self.n}) when given, got {self.best_of}", param="best_of")
         if self.echo and self.logprobs is not None:
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
-        return make_sampling_params({**self._sampling_kwargs(), "max_tokens": self.max_tokens, "logprobs": self.logprobs})
+        kw = {**self._sampling_kwargs(), "max_tokens": self.max_tokens, "logprobs": self.logprobs}
+        return make_sampling_params(kw)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""

@@ -39,7 +39,8 @@ class ChoiceDelta:
         if c.finish_reason is None:
             text = text[: max(0, len(text) - self.holdback)]
             text = text.rstrip("\ufffd")
-        delta = text[len(self.sent_text):] if text.startswith(self.sent_text) else _after_common_prefix(text, self.sent_text)
+        # a text that changed under us (detokenizer cleanup) cannot be retracted: send what lies beyond
+        delta = text[len(self.sent_text):] if len(text) > len(self.sent_text) else ""
         if len(text) > len(self.sent_text):
             self.sent_text = text
         new_ids = c.token_ids[self.num_sent_tokens:]
@@ -50,11 +51,6 @@ class ChoiceDelta:
             self.finished = True
             finish = c.finish_reason
         return Delta(delta, new_ids, new_logprobs, finish, c.stop_reason if finish else None)
-
-
-def _after_common_prefix(text: str, sent: str) -> str:
-    """The text changed under us (a detokenizer cleanup): send only what lies beyond ``sent``."""
-    return text[len(sent):] if len(text) > len(sent) else ""
 
 
 def holdback_for(stop: list[str]) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 import time
 import uuid
 
@@ -23,13 +24,15 @@ from specdec.server.generation import Generation
 from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from specdec.server.responses import ChoiceDelta, TokenText, chat_logprobs, completion_logprobs, holdback_for, usage
 
+logger = logging.getLogger("specdec.server")
+
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, admission: Admission, model_names: list[str]):
         self.engine = engine
         self.admission = admission
         self.model_names = model_names
-        self.tokenizer = copy.deepcopy(engine.engine.tokenizer)
+        self.tokenizer = _own_copy(engine.engine.tokenizer)
         self.token_text = TokenText(self.tokenizer)
         self.max_model_len = engine.engine.max_model_len
 
@@ -198,6 +201,14 @@ class OpenAIServing:
         if req.include_usage:
             chunk["usage"] = None
         return chunk
+
+
+def _own_copy(tokenizer):
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # noqa: BLE001 - share it; encode/decode are read-mostly
+        logger.warning("could not copy the tokenizer; the front end shares the engine's")
+        return tokenizer
 
 
 async def _until_done_or_disconnected(raw: Request, gen: Generation, body) -> Response:

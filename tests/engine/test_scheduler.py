@@ -97,7 +97,7 @@ class FakeEngine:
             # every computed position still holds this request's own token (prefix hits included)
             blocks = self.kv.get_block_ids(r.request_id)
             for pos in range(r.num_computed_tokens):
-                assert self.kv_content.get(blocks[pos // BS] * BS + pos % BS) == (pos, r.token_id_at(pos)), (
+                assert self.kv_content.get(blocks[pos // BS] * BS + pos % BS) == (pos, r.all_token_ids[pos]), (
                     f"{r.request_id} position {pos} lost its KV")
         for r in sched.preempted:
             assert r.status == RequestStatus.PREEMPTED and r.num_computed_tokens == 0 and r in s.waiting

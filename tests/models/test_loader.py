@@ -96,8 +96,9 @@ def test_missing_part_of_a_fused_weight_is_named(model_copy):
 
 def test_shape_mismatch_names_the_weight_and_both_shapes(model_copy):
     edit_config(model_copy, intermediate_size=96)  # checkpoint has 128
-    with pytest.raises(ValueError, match=r"shape mismatch.*mlp.*\(128, 64\).*\(96, 64\)"):
+    with pytest.raises(ValueError, match=r"shape mismatch for weight '.*mlp\..*'") as e:
         LLM(model=str(model_copy), **ENGINE)
+    assert "128" in str(e.value) and "96" in str(e.value)
 
 
 def test_unexpected_weight_is_named(model_copy):

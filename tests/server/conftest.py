@@ -38,7 +38,7 @@ class ServerProcess:
         self.api_key = api_key
         self.max_model_len = MAX_MODEL_LEN
         self.log_path = log_path
-        args = [sys.executable, "-m", "specdec.cli", "serve", "--model", str(model), "--port", str(self.port),
+        args = [sys.executable, "-m", "specdec.server", "--model", str(model), "--port", str(self.port),
                 "--served-model-name", "tiny", *ENGINE_ARGS, *extra_args]
         if api_key:
             args += ["--api-key", api_key]

@@ -1,0 +1,167 @@
+"""``specdec bench compare``: specdec vs Hugging Face transformers on the same checkpoint.
+
+Systems (each on the same prompts, one prompt at a time, greedy, EOS ignored):
+transformers ``generate``, assisted generation (``assistant_model=``, K fixed), prompt
+lookup (``prompt_lookup_num_tokens=``); specdec without speculation, with the same draft
+model, and with n-gram lookup. Repetitions visit the systems in turn (A B C ... A B C ...)
+and the table reports medians of end-to-end tokens/s (prefill included, as transformers
+does not split it) and each system's greedy agreement with transformers ``generate``:
+identical in float32; bf16 may differ where two logits tie to rounding.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from specdec.bench import driver
+from specdec.bench.cli import add_common_args, engine_args
+from specdec.bench.report import format_table, median, result_header, write_json
+from specdec.bench.roofline import engine_roofline, measure_bandwidth
+
+
+def add_parser(sub):
+    p = sub.add_parser("compare", help="specdec vs transformers generate / assisted / prompt lookup, same run")
+    add_common_args(p, output_len=64)
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--draft-model", default=None, help="draft checkpoint for assisted generation and draft_model")
+    p.add_argument("--k", type=int, default=5, help="draft tokens per step (assisted and draft_model, fixed)")
+    p.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
+    p.add_argument("--systems", nargs="+", default=None, help="subset of systems to run (default: all available)")
+    p.set_defaults(func=run, num_iters=3, prompts="text")
+    return p
+
+
+def run(args) -> int:
+    result = measure(args)
+    print(render(result))
+    write_json(result, args.output_json)
+    if args.plot:
+        from specdec.bench.plots import plot_compare
+
+        plot_compare(result, args.plot)
+    return 0
+
+
+def _hf_model(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None  # the benchmark ignores EOS, like ignore_eos=True
+    return model
+
+
+def _hf_runner(model, max_new_tokens: int, **kwargs):
+    def generate(prompt: list[int]) -> list[int]:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+        return out[0, len(prompt):].tolist()
+    return generate
+
+
+def _specdec_runner(llm, output_len: int, use_speculation: bool = True):
+    params = driver.greedy_params(output_len)
+    params.use_speculation = use_speculation
+
+    def generate(prompt: list[int]) -> list[int]:
+        return driver.timed_generate(llm, [prompt], params).token_ids[0]
+    return generate
+
+
+def build_systems(args):
+    """name -> generate(prompt ids) -> output ids; the engines are returned too (roofline, dtype)."""
+    from specdec.cli import make_llm
+
+    lookup = args.prompt_lookup_num_tokens
+    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": min(lookup, 16), "prompt_lookup_max": 4})
+    # plain decoding reuses the n-gram engine with speculation off per request: one copy of the weights fewer
+    ngram_llm = make_llm(engine_args(args, speculative=True, speculative_config=ngram, speculative_model=None,
+                                     no_speculation=False))
+    dtype = ngram_llm.engine.dtype
+    hf = _hf_model(ngram_llm.engine.model_path, dtype)
+    systems = {
+        "transformers generate": _hf_runner(hf, args.output_len),
+        f"transformers prompt lookup {lookup}": _hf_runner(hf, args.output_len, prompt_lookup_num_tokens=lookup),
+        "specdec": _specdec_runner(ngram_llm, args.output_len, use_speculation=False),
+        f"specdec ngram K={min(lookup, 16)}": _specdec_runner(ngram_llm, args.output_len),
+    }
+    if args.draft_model:
+        hf_draft = _hf_model(args.draft_model, dtype)
+        systems[f"transformers assisted K={args.k}"] = _hf_runner(
+            hf, args.output_len, assistant_model=hf_draft, num_assistant_tokens=args.k,
+            num_assistant_tokens_schedule="constant")
+        draft = json.dumps({"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k})
+        draft_llm = make_llm(engine_args(args, speculative=True, speculative_config=draft, speculative_model=None,
+                                         no_speculation=False))
+        systems[f"specdec draft_model K={args.k}"] = _specdec_runner(draft_llm, args.output_len)
+    if args.systems:
+        unknown = [s for s in args.systems if s not in systems]
+        if unknown:
+            raise ValueError(f"--systems: unknown {unknown}; available: {sorted(systems)}")
+        systems = {name: fn for name, fn in systems.items() if name in args.systems}
+    return systems, ngram_llm
+
+
+def measure(args) -> dict:
+    if args.num_prompts < 1 or args.num_iters < 1:
+        raise ValueError("--num-prompts and --num-iters must be >= 1")
+    if args.temperature != 0:
+        raise ValueError("compare checks greedy agreement: --temperature must be 0")
+    systems, llm = build_systems(args)
+    bandwidth = measure_bandwidth(args.bandwidth_mib << 20, device=llm.engine.device)
+    prompts = driver.make_prompts(llm, args.prompts, args.num_prompts, args.input_len, seed=args.seed * 7919)
+    warm = prompts[0][: max(1, args.input_len // 4)]
+    for fn in systems.values():  # warm-up: first-call allocations, oneDNN primitive caches
+        fn(warm)
+    rates: dict[str, list[float]] = {name: [] for name in systems}
+    outputs: dict[str, list[list[int]]] = {}
+    for rep in range(args.num_iters):
+        for name, fn in systems.items():
+            t = time.perf_counter()
+            outs = [fn(p) for p in prompts]
+            elapsed = time.perf_counter() - t
+            rates[name].append(sum(len(o) for o in outs) / elapsed)
+            outputs.setdefault(name, outs)
+        print(f"iteration {rep + 1}/{args.num_iters}: " +
+              ", ".join(f"{n} {r[-1]:.2f}" for n, r in rates.items()), flush=True)
+    reference_name = "transformers generate" if "transformers generate" in outputs else next(iter(outputs))
+    reference = outputs[reference_name]
+    roof = engine_roofline(llm, bandwidth, args.input_len + args.output_len / 2, 1)
+    rows = []
+    for name in systems:
+        tps = median(rates[name])
+        rows.append({"system": name, "tokens_per_s": tps, "tokens_per_s_per_iter": rates[name],
+                     "roofline_fraction": roof.fraction(tps),
+                     "agreement_with_reference": driver.agreement(reference, outputs[name])})
+    base = next((r["tokens_per_s"] for r in rows if r["system"] == reference_name), None)
+    for r in rows:
+        r["speedup_vs_reference"] = r["tokens_per_s"] / base if base else None
+    result = result_header(args, "compare", bandwidth, llm.engine.device)
+    result.update(
+        config={"model": llm.engine.model_path, "draft_model": args.draft_model,
+                "dtype": str(llm.engine.dtype).removeprefix("torch."), "num_prompts": args.num_prompts,
+                "input_len": args.input_len, "output_len": args.output_len, "num_iters": args.num_iters,
+                "prompts": args.prompts, "k": args.k, "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens,
+                "reference": reference_name,
+                "note": "end-to-end tokens/s incl. prefill, batch 1; 'specdec' is the n-gram engine with "
+                        "use_speculation=False per request"},
+        roofline=roof.as_dict(),
+        rows=rows,
+    )
+    return result
+
+
+def render(result: dict) -> str:
+    cfg, roof = result["config"], result["roofline"]
+    lines = [f"model {cfg['model']} ({cfg['dtype']}), {cfg['num_prompts']} prompts x {cfg['output_len']} tokens, "
+             f"{cfg['num_iters']} iterations (medians); roofline {roof['tokens_per_s']:.2f} tok/s at "
+             f"{roof['bandwidth_gb_per_s']:.1f} GB/s"]
+    headers = ["system", "tok/s (e2e)", "vs transformers", "roofline frac", "identical outputs", "prefix agreement"]
+    rows = [[r["system"], r["tokens_per_s"], r["speedup_vs_reference"], r["roofline_fraction"],
+             r["agreement_with_reference"]["identical_fraction"],
+             r["agreement_with_reference"]["mean_prefix_agreement"]] for r in result["rows"]]
+    lines.append(format_table(headers, rows))
+    return "\n\n".join(lines)

@@ -1,0 +1,117 @@
+"""``specdec bench sweep``: the engine's efficiency surface over (acceptance a, K).
+
+The "replay" proposer proposes the target's own greedy continuation (computed first,
+without speculation) and corrupts each token with probability 1 - a, so acceptance is set
+by the benchmark, not by a draft model, and drafting costs ~nothing (c ~ 0). For each K an
+engine is built (K is fixed per engine), ``proposer.acceptance`` is set between runs, and
+each repetition times the plain engine first, then every a, on the same prompts. The bound
+uses the *measured* per-token acceptance and cost ratio; efficiency = speedup / bound
+isolates the engine's own overhead (a verify step costing more than a plain step,
+Python work per step, sampling) from the proposer's quality.
+"""
+from __future__ import annotations
+
+import gc
+import json
+
+from specdec.bench import driver
+from specdec.bench.cli import add_common_args, engine_args
+from specdec.bench.latency import speculation_figures, summarize_runs
+from specdec.bench.report import format_table, median, result_header, write_json
+from specdec.bench.roofline import engine_roofline, measure_bandwidth
+
+
+def add_parser(sub):
+    p = sub.add_parser("sweep", help="controlled-acceptance (replay) sweep over acceptance x K: efficiency surface")
+    add_common_args(p, output_len=128)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--acceptances", type=float, nargs="+", default=[0.5, 0.7, 0.8, 0.9, 1.0])
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8])
+    p.set_defaults(func=run, num_iters=3)
+    return p
+
+
+def run(args) -> int:
+    result = measure(args)
+    print(render(result))
+    write_json(result, args.output_json)
+    if args.plot:
+        from specdec.bench.plots import plot_sweep
+
+        plot_sweep(result, args.plot)
+    return 0
+
+
+def _replay_args(args, k: int, acceptance: float):
+    spec = json.dumps({"method": "replay", "num_speculative_tokens": k, "acceptance": acceptance})
+    return engine_args(args, speculative=True, speculative_config=spec, speculative_model=None,
+                       no_speculation=False)
+
+
+def measure(args) -> dict:
+    from specdec.cli import make_llm
+
+    if not all(0.0 <= a <= 1.0 for a in args.acceptances) or min(args.ks) < 1:
+        raise ValueError("--acceptances must be in [0, 1] and --ks >= 1")
+    base = make_llm(engine_args(args, speculative=False))
+    bandwidth = measure_bandwidth(args.bandwidth_mib << 20, device=base.engine.device)
+    params = driver.greedy_params(args.output_len)
+    prompts = driver.make_prompts(base, args.prompts, args.batch_size, args.input_len, seed=args.seed * 7919)
+    driver.warmup(base)
+    references = driver.timed_generate(base, prompts, params).token_ids  # greedy, no speculation
+    cells = []
+    for k in args.ks:
+        llm = make_llm(_replay_args(args, k, args.acceptances[0]))
+        driver.register_references(llm, prompts, references)
+        driver.warmup(llm)
+        base_runs, spec_runs = [], {a: [] for a in args.acceptances}
+        for _ in range(args.num_iters):
+            base_runs.append(driver.timed_generate(base, prompts, params))
+            for a in args.acceptances:
+                llm.engine.proposer.acceptance = a
+                spec_runs[a].append(driver.timed_generate(llm, prompts, params))
+        for a in args.acceptances:
+            cell = {"k": k, "acceptance_set": a, **summarize_runs(spec_runs[a]),
+                    **speculation_figures(llm, base_runs, spec_runs[a], None)}
+            cell["baseline_decode_tokens_per_s"] = median(r.decode_tokens_per_s for r in base_runs)
+            cell["greedy_agreement"] = driver.agreement(references * args.num_iters,
+                                                        [t for r in spec_runs[a] for t in r.token_ids])
+            cells.append(cell)
+            print(f"K={k} a={a:.2f}: alpha {cell['acceptance']['alpha']:.3f} speedup {cell['speedup']:.2f} "
+                  f"bound {cell['leviathan_bound']:.2f} efficiency {cell['efficiency']:.2f}", flush=True)
+        del llm
+        gc.collect()
+    roof = engine_roofline(base, bandwidth, args.input_len + args.output_len / 2, args.batch_size)
+    base_tps = median(c["baseline_decode_tokens_per_s"] for c in cells)
+    result = result_header(args, "sweep", bandwidth, base.engine.device)
+    result.update(
+        config={"model": base.engine.model_path, "dtype": str(base.engine.dtype).removeprefix("torch."),
+                "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
+                "num_iters": args.num_iters, "prompts": args.prompts, "acceptances": args.acceptances,
+                "ks": args.ks},
+        roofline=roof.as_dict(),
+        baseline={"decode_tokens_per_s": base_tps},
+        roofline_fraction=roof.fraction(base_tps),
+        cells=cells,
+    )
+    return result
+
+
+def render(result: dict) -> str:
+    cfg, roof = result["config"], result["roofline"]
+    lines = [f"model {cfg['model']} ({cfg['dtype']}), batch {cfg['batch_size']}, input {cfg['input_len']}, "
+             f"output {cfg['output_len']}, {cfg['num_iters']} iterations (medians); plain decoding "
+             f"{result['baseline']['decode_tokens_per_s']:.2f} tok/s = {result['roofline_fraction']:.2f} of the "
+             f"roofline ({roof['tokens_per_s']:.2f} tok/s at {roof['bandwidth_gb_per_s']:.1f} GB/s)"]
+    headers = ["K", "a set", "alpha", "accept rate", "mean acc len", "step cost", "c", "bound", "speedup",
+               "efficiency"]
+    rows = [[c["k"], c["acceptance_set"], c["acceptance"]["alpha"], c["acceptance"]["acceptance_rate"],
+             c["acceptance"]["mean_acceptance_length"], c["verify_step_cost_ratio"], c["cost_ratio"],
+             c["leviathan_bound"], c["speedup"], c["efficiency"]] for c in result["cells"]]
+    lines.append(format_table(headers, rows))
+    eff = {(c["acceptance_set"], c["k"]): c["efficiency"] for c in result["cells"]}
+    ks = cfg["ks"]
+    lines.append("efficiency (rows: a, columns: K)")
+    lines.append(format_table(["a \\ K"] + [str(k) for k in ks],
+                              [[a] + [eff.get((a, k)) for k in ks] for a in cfg["acceptances"]]))
+    return "\n\n".join(lines)

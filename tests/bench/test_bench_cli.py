@@ -1,0 +1,158 @@
+"""Smoke runs of ``specdec bench ...`` on a tiny float32 model: the JSON fields exist and agree.
+
+Timings on a tiny model mean nothing; what is checked is arithmetic that must hold whatever
+the timings (fractions, bounds, efficiencies) and exact facts (replay with a = 1 accepts
+everything; a = 0 nothing; greedy output never changes in float32).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdec.bench.driver import acceptance_tap, make_prompts, timed_generate
+from specdec.cli import build_parser, main
+
+SMALL = ["--dtype", "float32", "--input-len", "8", "--output-len", "12", "--num-iters", "1", "--bandwidth-mib", "8"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(argv: list[str]) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def latency_replay(llama_path, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("latency")
+    spec = json.dumps({"method": "replay", "acceptance": 1.0, "num_speculative_tokens": 3})
+    table = run_cli(["bench", "latency", "--model", llama_path, *SMALL, "--num-iters", "2",
+                     "--speculative-config", spec, "--output-json", str(folder / "latency.json"),
+                     "--plot", str(folder / "latency.png")])
+    return json.loads((folder / "latency.json").read_text()), folder, table
+
+
+def test_latency_json_has_provenance_and_a_consistent_roofline(latency_replay):
+    result, folder, table = latency_replay
+    assert result["kind"] == "latency" and result["command"].startswith("specdec bench latency")
+    assert result["machine"]["bandwidth_gb_per_s"] > 0 and result["machine"]["cpu_cores"] >= 1
+    assert {"torch", "transformers", "specdec"} <= set(result["versions"]) and result["date"]
+    roof, base = result["roofline"], result["baseline"]
+    assert roof["bytes_per_step"] == pytest.approx(
+        roof["weight_bytes_per_step"] + roof["kv_bytes_per_token"] * roof["mean_context_len"])
+    assert roof["tokens_per_s"] == pytest.approx(roof["bandwidth_bytes_per_s"] / roof["bytes_per_step"])
+    assert result["roofline_fraction"] == pytest.approx(base["decode_tokens_per_s"] / roof["tokens_per_s"])
+    assert base["num_decode_tokens"] == 12 - 1  # the first token comes out of the prefill
+    assert base["prefill_s"] > 0 and base["decode_tokens_per_s"] > 0
+    assert "replay K=3" in table and "roofline" in table
+    assert (folder / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_latency_replay_at_full_acceptance(latency_replay):
+    spec = latency_replay[0]["speculative"]
+    acc = spec["acceptance"]
+    assert acc["acceptance_rate"] == 1.0 and acc["alpha"] == 1.0
+    assert acc["acceptance_per_position"] == [1.0, 1.0, 1.0]
+    assert acc["mean_acceptance_length"] > 3.0  # 4 per step, except where max_tokens clips K
+    c = spec["cost_ratio"]
+    assert 0 <= c < 0.05  # replay drafts with list slicing
+    assert spec["leviathan_bound"] == pytest.approx(4 / (3 * c + 1))
+    assert spec["efficiency"] == pytest.approx(spec["speedup"] / spec["leviathan_bound"])
+    assert spec["greedy_agreement"]["identical_fraction"] == 1.0
+
+
+def test_command_line_round_trips(latency_replay):
+    command = latency_replay[0]["command"]
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    assert args.bench_command == "latency" and args.num_iters == 2 and args.output_len == 12
+    assert json.loads(args.speculative_config)["method"] == "replay"
+
+
+def test_latency_with_a_draft_model_measures_its_cost(llama_path, noisy_draft_path, tmp_path):
+    spec = json.dumps({"method": "draft_model", "model": noisy_draft_path, "num_speculative_tokens": 2})
+    run_cli(["bench", "latency", "--model", llama_path, *SMALL, "--speculative-config", spec,
+             "--output-json", str(tmp_path / "r.json")])
+    s = json.loads((tmp_path / "r.json").read_text())["speculative"]
+    assert s["cost"]["source"] == "time_forward" and s["cost_ratio"] > 0
+    assert 0 <= s["acceptance"]["alpha"] <= 1 and s["acceptance"]["num_drafts"] > 0
+    assert s["greedy_agreement"]["identical_fraction"] == 1.0  # lossless in float32
+
+
+def test_sweep_extremes_and_plot(llama_path, tmp_path):
+    table = run_cli(["bench", "sweep", "--model", llama_path, *SMALL, "--ks", "2", "--acceptances", "0.0", "1.0",
+                     "--output-json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png")])
+    result = json.loads((tmp_path / "s.json").read_text())
+    cells = {c["acceptance_set"]: c for c in result["cells"]}
+    assert set(cells) == {0.0, 1.0} and all(c["k"] == 2 for c in cells.values())
+    none, full = cells[0.0], cells[1.0]
+    assert none["acceptance"]["num_accepted_tokens"] == 0 and none["acceptance"]["alpha"] == 0.0
+    assert none["acceptance"]["mean_acceptance_length"] == 1.0
+    assert full["acceptance"]["alpha"] == 1.0 and full["acceptance"]["acceptance_rate"] == 1.0
+    for cell in cells.values():
+        assert cell["leviathan_bound"] == pytest.approx(
+            (1 + 2 * (cell["acceptance"]["alpha"] == 1.0)) / (2 * cell["cost_ratio"] + 1))
+        assert cell["efficiency"] == pytest.approx(cell["speedup"] / cell["leviathan_bound"])
+        assert cell["greedy_agreement"]["identical_fraction"] == 1.0  # rejected drafts never change output
+    assert "efficiency (rows: a, columns: K)" in table
+    assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_throughput_rows_per_batch_size(llama_path, tmp_path):
+    run_cli(["bench", "throughput", "--model", llama_path, *SMALL, "--batch-sizes", "1", "3",
+             "--output-json", str(tmp_path / "t.json")])
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    r1, r3 = rows
+    assert r3["baseline"]["num_decode_tokens"] <= 3 * 11
+    # weights once per step, KV per sequence: B=3 reads less than 3 x the bytes of B=1
+    assert r3["roofline"]["bytes_per_step"] < 3 * r1["roofline"]["bytes_per_step"]
+    assert r3["roofline"]["tokens_per_s"] > r1["roofline"]["tokens_per_s"]
+
+
+def test_compare_outputs_identical_to_transformers_in_float32(llama_path, noisy_draft_path, tmp_path):
+    run_cli(["bench", "compare", "--model", llama_path, *SMALL, "--num-prompts", "2", "--draft-model",
+             noisy_draft_path, "--k", "3", "--prompt-lookup-num-tokens", "4", "--output-json", str(tmp_path / "c.json")])
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    names = [r["system"] for r in rows]
+    assert names[0] == "transformers generate" and len(names) == 6
+    for r in rows:
+        assert r["agreement_with_reference"]["identical_fraction"] == 1.0, r["system"]
+        assert r["tokens_per_s"] > 0
+
+
+def test_acceptance_tap_sees_every_draft(llama_path):
+    from specdec import LLM
+
+    llm = LLM(llama_path, dtype="float32", max_model_len=128,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    before = llm.get_metrics()
+    prompts = make_prompts(llm, "text", 2, 24, seed=0)
+    run = timed_generate(llm, prompts, __import__("specdec").SamplingParams(temperature=0, max_tokens=16,
+                                                                             ignore_eos=True))
+    after = llm.get_metrics()
+    assert run.acceptance.num_drafts == after["num_drafts"] - before["num_drafts"]
+    assert run.acceptance.num_draft_tokens == after["num_draft_tokens"] - before["num_draft_tokens"]
+    assert run.acceptance.num_accepted_tokens == after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    assert "observe_acceptance" not in vars(llm.engine)  # the tap is gone afterwards
+    with acceptance_tap(llm.engine) as counts:
+        pass
+    assert counts.num_drafts == 0
+
+
+def test_benchmarks_md_is_built_from_the_json(latency_replay, tmp_path):
+    result, folder, _ = latency_replay
+    out = tmp_path / "BENCHMARKS.md"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_benchmarks_md.py"), "--results", str(folder),
+                    "--out", str(out)], check=True, capture_output=True)
+    text = out.read_text()
+    assert result["command"] in text
+    assert "measured copy bandwidth" in text and result["versions"]["torch"] in text and result["date"] in text
+    assert "| replay K=3" in text
