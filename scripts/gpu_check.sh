@@ -12,10 +12,13 @@
 #   scripts/gpu_check.sh
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_PRESET=tiny GPU_CHECK_SKIP_TESTS=1 scripts/gpu_check.sh   # dry run
 # Env: GPU_CHECK_PRESET=llama3-8b|llama3-1b|tiny, GPU_CHECK_SKIP_ENGINE=1, GPU_CHECK_SKIP_TESTS=1,
-#      PYTHON (default: python).
+#      PYTHON (default: .venv/bin/python if present, else python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
+else PY=$(command -v python3 || command -v python); fi
+"$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'hip', torch.version.hip, 'gpu', torch.cuda.is_available())"
 RESULTS=${OUT:-.}
 mkdir -p "$RESULTS"
 export GPU_CHECK_RESULTS="$RESULTS"
@@ -34,7 +37,7 @@ export GPU_CHECK_TEST_SECONDS=$(( $(date +%s) - START ))
 
 # ---------------------------------------------------------------- 2. benchmark
 timeout $(( 470 - GPU_CHECK_TEST_SECONDS )) "$PY" - <<'PYEOF'
-import gc, json, math, os, re, shutil, sys, tempfile, time, traceback
+import gc, json, os, re, shutil, tempfile, time, traceback
 
 import torch
 

@@ -287,7 +287,7 @@ def cmd_bench_serve(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m specdec.bench.serve ...`` (the same as ``specdec bench serve ...``)."""
-    parser = argparse.ArgumentParser(prog="python -m specdec.bench")
+    parser = argparse.ArgumentParser(prog="python -m specdec.bench.serve")
     sub = parser.add_subparsers(dest="bench_command", required=True)
     add_serve_parser(sub)
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])

@@ -20,16 +20,21 @@ def interpreting() -> bool:
 
 
 def load(name: str):
-    """Import `specdec.kernels.<name>`, re-importing it if its kernels were defined in the
-    other mode (compiled vs TRITON_INTERPRET=1) than the one now set; the CPU kernel tests use
-    this so they work whatever imported the module first."""
+    """Import `specdec.kernels.<name>` for the mode now set (TRITON_INTERPRET=1 or compiled),
+    with a clear error when Triton was already imported in the other mode: Triton binds every
+    @jit function, its own library (tl.max, tl.sum, ...) included, to the mode set when it was
+    defined, so one process cannot switch. The kernel tests import kernels through this."""
     import importlib
     import sys
 
-    full_name = f"{__name__}.{name}"
-    module = sys.modules.get(full_name)
-    if module is None:
-        return importlib.import_module(full_name)
-    if getattr(module, "DEFINED_FOR_INTERPRETER", None) != interpreting():
-        module = importlib.reload(module)
-    return module
+    standard = sys.modules.get("triton.language.standard")
+    if standard is not None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if isinstance(standard.max, InterpretedFunction) != interpreting():
+            raise RuntimeError(
+                f"Triton was imported with TRITON_INTERPRET={'0' if interpreting() else '1'} before it was "
+                f"{'set' if interpreting() else 'unset'}; its kernels cannot switch mode in this process. Run "
+                "the kernel tests in their own process (pytest tests/kernels) or export TRITON_INTERPRET=1 first."
+            )
+    return importlib.import_module(f"{__name__}.{name}")

@@ -12,10 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.kernels import interpreting
 from specdec.kernels.config import launch_options, next_power_of_2
-
-DEFINED_FOR_INTERPRETER = interpreting()  # kernels below are bound to this mode at import
 
 
 @triton.jit

@@ -29,7 +29,7 @@ _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: keeps exp2(m_old - m_new) finite
 _MAX_KV_SPLITS = 16
 
-DEFINED_FOR_INTERPRETER = interpreting()  # kernels below are bound to this mode at import
+DEFINED_FOR_INTERPRETER = interpreting()  # the mode the kernels below are bound to (Triton decides at definition)
 
 
 @triton.jit
@@ -83,15 +83,15 @@ def _paged_attention_kernel(
     # Keys this tile can see at all: up to its last valid row's causal limit.
     last_q_pos = tl.minimum((q_tile + 1) * BLOCK_Q, q_len) - 1
     kv_end = context_len + last_q_pos + 1
-    num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    num_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
     causal_limit = context_len + q_pos  # [BLOCK_M] last visible key position per row
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    l_i = tl.full([BLOCK_M], 0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM_PAD], 0, tl.float32)
     block_table = block_tables_ptr + req * stride_bt
     for kv_tile in range(tile_begin, tile_end):
         offs_n = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions

@@ -26,7 +26,7 @@ from specdec.kernels.config import launch_options
 from specdec.layers.sampler import SamplingMetadata, processed_probs
 from specdec.spec.rejection_sampler import PLACEHOLDER_TOKEN_ID, _draft_uniforms, _PaddedLayout
 
-DEFINED_FOR_INTERPRETER = interpreting()  # kernels below are bound to this mode at import
+DEFINED_FOR_INTERPRETER = interpreting()  # the mode the kernels below are bound to (Triton decides at definition)
 
 
 @triton.jit

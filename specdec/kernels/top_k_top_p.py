@@ -21,12 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.kernels import interpreting
 from specdec.kernels.config import launch_options
 
 _NUM_PIVOTS = 16
-
-DEFINED_FOR_INTERPRETER = interpreting()  # kernels below are bound to this mode at import
 
 
 @triton.jit
@@ -47,9 +44,9 @@ def _search_threshold(row_ptr, vocab_size, lo, hi, floor_key, row_max, need_coun
         pivots = lo + ((hi - lo) * steps) // NUM_PIVOTS  # [NUM_PIVOTS] int64, pivots[0] = lo
         pivots32 = pivots.to(tl.int32)  # lo <= pivot < hi <= 2**31, so it fits
         if BY_MASS:
-            found = tl.zeros([NUM_PIVOTS], tl.float32)
+            found = tl.full([NUM_PIVOTS], 0, tl.float32)
         else:
-            found = tl.zeros([NUM_PIVOTS], tl.int32)
+            found = tl.full([NUM_PIVOTS], 0, tl.int32)
         for v0 in range(0, vocab_size, BLOCK_V):
             offs = v0 + tl.arange(0, BLOCK_V)
             valid = offs < vocab_size
@@ -111,7 +108,7 @@ def _top_k_top_p_kernel(
                                           False, BLOCK_V, NUM_PIVOTS)
         if use_p:
             floor_key = threshold.to(tl.int32)
-            z = tl.zeros([BLOCK_V], tl.float32)
+            z = tl.full([BLOCK_V], 0, tl.float32)
             for v0 in range(0, vocab_size, BLOCK_V):
                 offs = v0 + tl.arange(0, BLOCK_V)
                 valid = offs < vocab_size

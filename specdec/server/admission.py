@@ -28,6 +28,10 @@ class Admission:
         self.num_in_use = 0
         self._waiters: deque[tuple[int, asyncio.Future]] = deque()
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiters)
+
     def can_acquire(self, num_slots: int) -> bool:
         return not self._waiters and self.num_in_use + num_slots <= self.capacity
 

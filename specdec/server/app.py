@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
@@ -114,12 +115,13 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
                 "num_running": s.get("num_running"), "num_waiting": s.get("num_waiting"),
                 "num_in_flight": s.get("num_in_flight"), "num_free_kv_blocks": s.get("num_free_kv_blocks"),
                 "num_kv_blocks": s.get("num_kv_blocks"), "admission_in_use": admission.num_in_use,
+                "admission_waiting": admission.num_waiting,
                 "admission_capacity": admission.capacity}
         return JSONResponse(body, status_code=200 if async_engine.is_alive else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version():

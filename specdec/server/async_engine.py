@@ -79,10 +79,11 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    def submit(self, requests: list[EngineRequest], sink: asyncio.Queue) -> None:
+    def submit(self, requests: list[EngineRequest], sink: asyncio.Queue, arrival: float | None = None) -> None:
+        """``arrival`` (time.monotonic()): when the HTTP request came in; latency metrics count from it."""
         if not self.is_alive:
             raise EngineDead(f"the engine is not running: {self.error!r}")
-        self._commands.put(_Command("add", requests=requests, sink=sink, arrival=time.monotonic()))
+        self._commands.put(_Command("add", requests=requests, sink=sink, arrival=arrival or time.monotonic()))
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:

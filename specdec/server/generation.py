@@ -8,6 +8,7 @@ unfinished and returns the slots. Event-loop thread only.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from specdec.outputs import RequestOutput
@@ -30,6 +31,7 @@ class Generation:
         self.unfinished = set(self.index)
         self.num_slots = len(self.requests) * params.n
         self.num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
+        self.arrival = time.monotonic()  # TTFT counts the time spent waiting for admission too
         self._sink: asyncio.Queue = asyncio.Queue()
         self._admitted = False
         self._submitted = False
@@ -48,7 +50,7 @@ class Generation:
 
     def submit(self) -> None:
         try:
-            self.engine.submit(self.requests, self._sink)
+            self.engine.submit(self.requests, self._sink, self.arrival)
         except EngineDead as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
         self._submitted = True

@@ -34,7 +34,6 @@ class OpenAIServing:
         self.model_names = model_names
         self.tokenizer = _own_copy(engine.engine.tokenizer)
         self.token_text = TokenText(self.tokenizer)
-        self.max_model_len = engine.engine.max_model_len
 
     # ---- shared pipeline ----
     def check_model(self, name: str | None) -> str:

@@ -50,27 +50,34 @@ def test_sigterm_drains_in_flight_streams_and_exits_cleanly(make_server):
 
 
 def test_wait_policy_serves_everyone_in_turn_and_drops_departed_waiters(make_server):
-    srv = make_server(["--max-num-seqs", "1", "--max-queue", "0", "--queue-full-policy", "wait"])
+    srv = make_server(["--max-num-seqs", "1", "--max-queue", "0", "--queue-full-policy", "wait",
+                       "--max-model-len", "1024"])
     body = {"prompt": "x", "max_tokens": 30, "ignore_eos": True, "temperature": 0}
+
+    def health() -> dict:
+        return httpx.get(srv.url + "/health").json()
 
     async def main():
         async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
-            async def impatient():  # waits for a slot, gives up, and must leave the queue
-                async with httpx.AsyncClient(base_url=srv.url, timeout=0.2) as c:
-                    with pytest.raises(httpx.TimeoutException):
-                        await c.post("/v1/completions", json={**body, "max_tokens": 200})
+            long = {**body, "max_tokens": 1000, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=long) as first:
+                lines = first.aiter_lines()  # kept referenced: a dropped iterator would close the stream
+                await lines.__anext__()  # the first chunk: it holds the only slot now
+                async with httpx.AsyncClient(base_url=srv.url, timeout=0.3) as impatient:
+                    with pytest.raises(httpx.TimeoutException):  # waits for the slot, then gives up
+                        await impatient.post("/v1/completions", json=body)
+                await asyncio.sleep(0.1)
+                during = health()
+                await lines.aclose()
+            # the first stream is closed (aborted): three more are served one at a time
+            return during, await asyncio.gather(*[client.post("/v1/completions", json=body) for _ in range(3)])
 
-            first = asyncio.create_task(client.post("/v1/completions", json=body))
-            await asyncio.sleep(0.05)
-            rs = await asyncio.gather(first, impatient(), *[client.post("/v1/completions", json=body)
-                                                            for _ in range(3)])
-        return [r for r in rs if r is not None]
-
-    responses = asyncio.run(main())
-    assert [r.status_code for r in responses] == [200] * 4
-    texts = {r.json()["choices"][0]["text"] for r in responses}
-    assert len(texts) == 1  # same greedy request, one at a time
+    during, responses = asyncio.run(main())
+    assert during["admission_in_use"] == 1 and during["admission_waiting"] == 0  # the waiter left the queue
+    assert [r.status_code for r in responses] == [200] * 3
+    assert len({r.json()["choices"][0]["text"] for r in responses}) == 1  # the same greedy request
     m = srv.wait_idle()
     assert m["specdec:kv_cache_free_blocks"] == m["specdec:kv_cache_total_blocks"]
-    assert httpx.get(srv.url + "/health").json()["admission_in_use"] == 0
-    assert m["specdec:request_success_total{finished_reason=\"length\"}"] == 4  # the impatient one never ran
+    assert health()["admission_in_use"] == 0
+    assert m['specdec:request_success_total{finished_reason="length"}'] == 3
+    assert m["specdec:request_aborted_total"] == 1  # the first; the impatient one never reached the engine

@@ -172,7 +172,7 @@ def test_no_kv_leaks_after_many_speculative_requests_with_aborts(llama_path, noi
     while engine.has_unfinished_requests():
         step(1)
     assert len(aborted) >= 6 and not aborted & set(finished)
-    assert set(finished) == {f"a{i}" for i in range(10)} | {f"b{i}" for i in range(6)} - aborted
+    assert set(finished) == ({f"a{i}" for i in range(10)} | {f"b{i}" for i in range(6)}) - aborted
     for rid, out in finished.items():
         i, batch = int(rid[1:]), prompts[:10] if rid[0] == "a" else prompts[10:16]
         if i % 4 in (0, 3):  # greedy, with or without speculation
