@@ -254,7 +254,7 @@ def _():
         engine["load_s"] = time.time() - t0
         try:
             from specdec.engine.builder import _attention_backend
-            engine["attention_backend"] = _attention_backend(llm.config, device).__name__
+            engine["attention_backend"] = _attention_backend(llm.config, device).name
         except Exception as e:  # noqa: BLE001 - informational only
             engine["attention_backend"] = f"{llm.config.attention_backend} ({type(e).__name__})"
         prompt = list(range(3, 3 + 64))

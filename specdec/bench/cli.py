@@ -58,9 +58,13 @@ def register_cli(subparsers) -> None:
     m.add_argument("out")
     m.add_argument("--preset", default="tinyllama-1.1b", choices=["tinyllama-1.1b", "tiny"])
     m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    m.add_argument("--unstructured", action="store_true",
+                   help="plain random init (flat logits: bf16 greedy flips between batch shapes)")
     m.add_argument("--draft-layers", type=int, default=None,
-                   help="instead: write a draft of the first N layers of the model folder OUT_TARGET")
+                   help="instead: write a draft made of the first N layers of --from-target")
     m.add_argument("--from-target", default=None, help="target folder for --draft-layers")
+    m.add_argument("--corrupt-fraction", type=float, default=0.0,
+                   help="draft only: shuffle this fraction of its lm_head rows (acceptance ~ 1 - fraction)")
     m.set_defaults(func=cmd_make_model)
 
 
@@ -82,7 +86,7 @@ def cmd_make_model(args) -> int:
     if args.draft_layers is not None:
         if not args.from_target:
             raise ValueError("--draft-layers needs --from-target TARGET_DIR")
-        print(make_layer_skip_draft(args.from_target, args.out, args.draft_layers))
+        print(make_layer_skip_draft(args.from_target, args.out, args.draft_layers, args.corrupt_fraction))
     else:
-        print(make_random_llama(args.out, args.preset, args.dtype))
+        print(make_random_llama(args.out, args.preset, args.dtype, predictable=not args.unstructured))
     return 0

@@ -38,6 +38,7 @@ class EngineParts:
     spec_controller: SpecController | None
     spec_metrics: SpecDecodeMetrics
     output: OutputProcessor
+    rejection_sampler: Any
     draft_runner: ModelRunner | None = None
 
 
@@ -108,8 +109,8 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     config = load_config(path)
     tokenizer = load_tokenizer(resolve_model_path(cfg.tokenizer) if cfg.tokenizer else path)
     max_model_len = _max_model_len(config, cfg.max_model_len)
-    attn_fn = _attention_backend(cfg, device)
-    model = prepare_for_inference(load_model(path, dtype, device, attn_fn, config), cfg.quantization, device)
+    attn_backend = _attention_backend(cfg, device)
+    model = prepare_for_inference(load_model(path, dtype, device, attn_backend, config), cfg.quantization, device)
 
     spec = cfg.speculative_config
     max_k = spec.max_k if spec else 0
@@ -127,7 +128,7 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
             max_model_len = draft_limit
         draft_dtype = dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, device)
         draft_model = prepare_for_inference(
-            load_model(draft_path, draft_dtype, device, attn_fn, draft_cfg), spec.quantization, device)
+            load_model(draft_path, draft_dtype, device, attn_backend, draft_cfg), spec.quantization, device)
         bytes_per_block += ModelRunner.kv_bytes_per_block(draft_cfg, cfg.block_size, draft_dtype)
     num_blocks = _num_blocks(cfg, device, bytes_per_block, max_model_len, max_k)
     runner = ModelRunner(model, num_blocks, cfg.block_size, device, dtype)
@@ -142,24 +143,39 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         max_model_len=max_model_len, vocab_size=vocab_size, eos_token_ids=eos_ids(path, tokenizer, config),
         runner=runner, kv=kv, scheduler=scheduler, proposer=proposer, spec_controller=controller,
         spec_metrics=SpecDecodeMetrics(method=spec.method if spec else "none"),
-        output=OutputProcessor(tokenizer, max_model_len), draft_runner=draft_runner,
+        output=OutputProcessor(tokenizer, max_model_len), rejection_sampler=_rejection_sampler(device),
+        draft_runner=draft_runner,
     )
 
 
 def _attention_backend(cfg: EngineConfig, device):
-    from specdec.layers.attention import paged_attention_reference, paged_attention_torch
+    from specdec.layers.attention import REFERENCE_BACKEND, TORCH_BACKEND, AttentionBackend
 
     if cfg.attention_backend == "reference":
-        return paged_attention_reference
+        return REFERENCE_BACKEND
     if cfg.attention_backend == "torch" or (cfg.attention_backend == "auto" and device.type != "cuda"):
-        return paged_attention_torch
+        return TORCH_BACKEND
     try:
+        from specdec.kernels.kv_cache import write_kv_cache_triton
         from specdec.kernels.paged_attention import paged_attention_triton
     except ImportError as e:
         if cfg.attention_backend == "triton":
             raise ValueError(f"attention_backend='triton' needs triton: {e}") from None
-        return paged_attention_reference
-    return paged_attention_triton
+        return TORCH_BACKEND
+    return AttentionBackend("triton", write_kv_cache_triton, paged_attention_triton)
+
+
+def _rejection_sampler(device):
+    """The Triton sampler on GPUs (same draws, same results as the reference), torch elsewhere."""
+    from specdec.spec.rejection_sampler import rejection_sample
+
+    if device.type != "cuda":
+        return rejection_sample
+    try:
+        from specdec.kernels.rejection_sampler import rejection_sample_triton
+    except ImportError:
+        return rejection_sample
+    return rejection_sample_triton
 
 
 def check_vocab_compatible(tokenizer, config, draft_tokenizer, draft_config, draft_path: str) -> None:

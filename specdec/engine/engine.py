@@ -15,7 +15,6 @@ from specdec.layers.sampler import SamplingMetadata
 from specdec.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats
 from specdec.sampling_params import SamplingParams
 from specdec.spec.proposer import DraftProposal
-from specdec.spec.rejection_sampler import rejection_sample
 
 
 @dataclass
@@ -136,7 +135,7 @@ class LLMEngine:
         logits = process_target_logits(logits, reqs, drafts, meta_rows)
         draft_ids = torch.tensor([t for d in drafts for t in d], dtype=torch.int64, device=self.device)
         # requests that are not sampled (partial prefills) never carry drafts: q rows stay aligned
-        return rejection_sample(logits, draft_ids, num_draft, proposal.draft_probs, meta)
+        return self.rejection_sampler(logits, draft_ids, num_draft, proposal.draft_probs, meta)
 
     def commit(self, sched, proposal, tokens, num_accepted, logits, sampled) -> list[RequestOutput]:
         now = time.monotonic()

@@ -12,6 +12,7 @@ faster kernels (``specdec.kernels``) are tested against.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,14 @@ class AttentionMetadata:
     def max_query_len(self) -> int:
         q = self.query_start_loc_cpu
         return max((q[i + 1] - q[i] for i in range(len(q) - 1)), default=0)
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """The two cache operations a model layer needs; chosen once per engine (torch or Triton)."""
+    name: str
+    write_kv: Callable  # (key, value, kv_cache, slot_mapping) -> None
+    attend: Callable  # (query, kv_cache, meta, scale) -> [num_tokens, num_heads, head_dim]
 
 
 def write_kv_cache(
@@ -122,3 +131,7 @@ def paged_attention_torch(
         enable_gqa=num_heads != num_kv_heads,
     )
     return out.transpose(1, 2).reshape(-1, num_heads, head_dim)
+
+
+REFERENCE_BACKEND = AttentionBackend("reference", write_kv_cache, paged_attention_reference)
+TORCH_BACKEND = AttentionBackend("torch", write_kv_cache, paged_attention_torch)

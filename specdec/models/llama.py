@@ -8,17 +8,15 @@ the config (QKV bias, per-head q/k norm), never branches on the model name.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.layers.attention import AttentionMetadata, paged_attention_reference, write_kv_cache
+from specdec.layers.attention import REFERENCE_BACKEND, AttentionBackend, AttentionMetadata
 from specdec.layers.norm import RMSNorm
 from specdec.layers.rotary import RotaryEmbedding
-
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
 
 def _cfg(config, name: str, default=None):
@@ -37,7 +35,7 @@ def _rope_params(config) -> tuple[float, dict | None]:
 
 
 class Attention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, attn_fn: AttentionFn):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, attn_backend: AttentionBackend):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = _cfg(config, "num_key_value_heads", self.num_heads)
@@ -52,7 +50,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         theta, scaling = _rope_params(config)
         self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
-        self.attn_fn = attn_fn
+        self.backend = attn_backend
 
     def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
@@ -67,8 +65,8 @@ class Attention(nn.Module):
             q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
             q, k = self.rotary(positions, q, k)
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        out = self.attn_fn(q, kv_cache, meta, self.scale)  # [T, H, D]
+        self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = self.backend.attend(q, kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -88,10 +86,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, attn_fn: AttentionFn):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, attn_backend: AttentionBackend):
         super().__init__()
         eps = _cfg(config, "rms_norm_eps", 1e-6)
-        self.self_attn = Attention(config, qkv_bias, qk_norm, attn_fn)
+        self.self_attn = Attention(config, qkv_bias, qk_norm, attn_backend)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
@@ -111,13 +109,13 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, config, attn_fn: AttentionFn = paged_attention_reference):
+    def __init__(self, config, attn_backend: AttentionBackend = REFERENCE_BACKEND):
         super().__init__()
         self.config = config
         qkv_bias = self.qkv_bias or bool(_cfg(config, "attention_bias", False))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, self.qk_norm, attn_fn) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qkv_bias, self.qk_norm, attn_backend) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, _cfg(config, "rms_norm_eps", 1e-6))
         self.tie_word_embeddings = bool(_cfg(config, "tie_word_embeddings", False))

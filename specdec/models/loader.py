@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from specdec.layers.attention import paged_attention_reference
+from specdec.layers.attention import TORCH_BACKEND, AttentionBackend
 from specdec.layers.rotary import RotaryEmbedding
 from specdec.models.registry import get_model_class
 
@@ -68,14 +68,15 @@ def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device, attn_fn=paged_attention_reference, config=None):
+def load_model(path: str, dtype: torch.dtype, device: torch.device, attn_backend: AttentionBackend = TORCH_BACKEND,
+               config=None):
     config = config or load_config(path)
     cls = get_model_class(config)
     torch_default = torch.get_default_dtype()
     try:
         torch.set_default_dtype(dtype)
         with torch.device("meta"):  # no random init: every weight is overwritten by the checkpoint
-            model = cls(config, attn_fn=attn_fn)
+            model = cls(config, attn_backend=attn_backend)
     finally:
         torch.set_default_dtype(torch_default)
     model = model.to_empty(device=device)

@@ -51,7 +51,7 @@ class TrainDraftConfig:
     intermediate_size: int = 768
     seq_len: int = 512
     batch_size: int = 8               # chunks per step
-    gen_batch_size: int = 32
+    gen_batch_size: int = 64
     teacher_batch_size: int = 4
     top_k: int = 32
     epochs: float = 4.0
@@ -59,7 +59,7 @@ class TrainDraftConfig:
     lr: float = 2e-3
     warmup_steps: int = 30
     save_every: int = 50
-    max_minutes: float | None = None  # stop training (after a save) once this much time is spent
+    max_minutes: float | None = None  # training time budget: stop (after a save) and end the LR decay there
     device: str = "auto"
     seed: int = 0
     progress: bool = True
@@ -261,10 +261,13 @@ def evaluate(student, teacher, items: list[dict], k: int = 5) -> dict:
 
 # --------------------------------------------------------------------------- training
 
-def _lr_at(step: int, total: int, cfg: TrainDraftConfig) -> float:
+def _lr_at(step: int, total: int, elapsed_s: float, cfg: TrainDraftConfig) -> float:
+    """Linear warmup, then cosine to 10% over whichever budget (steps or --max-minutes) ends first."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    if cfg.max_minutes:
+        progress = max(progress, elapsed_s / (60 * cfg.max_minutes))
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
@@ -300,7 +303,7 @@ def train(student, chunks, topk_ids, topk_logp, cfg: TrainDraftConfig, save) -> 
     while step < total:
         idx = order[step]
         for group in opt.param_groups:
-            group["lr"] = _lr_at(step, total, cfg)
+            group["lr"] = _lr_at(step, total, elapsed, cfg)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             hidden = student.model(chunks[idx].to(device)).last_hidden_state
         hidden = hidden.float().flatten(0, 1)                                    # [b*T, H]
