@@ -35,6 +35,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults applied."""
+        return SamplingParams(**self.engine.generation_defaults)
+
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
@@ -56,7 +60,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")

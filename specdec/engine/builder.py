@@ -39,6 +39,7 @@ class EngineParts:
     spec_metrics: SpecDecodeMetrics
     output: OutputProcessor
     rejection_sampler: Any
+    generation_defaults: dict
     draft_runner: ModelRunner | None = None
 
 
@@ -49,6 +50,25 @@ def load_tokenizer(path: str):
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - any tokenizer failure is one clear error
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from None
+
+
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(path: str) -> dict:
+    """Sampling defaults the checkpoint's generation_config.json sets explicitly (vLLM's
+    generation_config="auto"): used when a caller passes no SamplingParams."""
+    import json
+    from pathlib import Path
+
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    raw = json.loads(file.read_text())
+    if raw.get("do_sample") is False:
+        raw["temperature"] = 0.0
+    return {ours: raw[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if raw.get(theirs) is not None}
 
 
 def eos_ids(path: str, tokenizer, config) -> tuple[int, ...]:
@@ -144,6 +164,7 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         runner=runner, kv=kv, scheduler=scheduler, proposer=proposer, spec_controller=controller,
         spec_metrics=SpecDecodeMetrics(method=spec.method if spec else "none"),
         output=OutputProcessor(tokenizer, max_model_len), rejection_sampler=_rejection_sampler(device),
+        generation_defaults=generation_defaults(path),
         draft_runner=draft_runner,
     )
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-TOPICS = [t.strip() for t in """photosynthesis; black holes; the French Revolution; machine learning; climate change;
+TOPICS = [" ".join(t.split()) for t in """photosynthesis; black holes; the French Revolution; machine learning; climate change;
 the immune system; volcanoes; compound interest; the Roman Empire; coffee; meditation; electric cars; the water cycle;
 blockchain; DNA; the Renaissance; honeybees; inflation; the internet; jazz; the moon landing; vaccines; recycling;
 chess; the stock market; earthquakes; solar energy; the human brain; democracy; dinosaurs; ocean tides; gravity;
@@ -47,7 +47,7 @@ CHAT_TEMPLATES = [
     "Describe {t} in one sentence, then in more detail.", "What are the most important things to know about {t}?",
 ]
 
-CODE_TASKS = [t.strip() for t in """reverses a string; checks whether a number is prime; counts the vowels in a string;
+CODE_TASKS = [" ".join(t.split()) for t in """reverses a string; checks whether a number is prime; counts the vowels in a string;
 computes the greatest common divisor of two numbers; flattens a nested list; removes duplicates from a list while
 keeping order; converts Celsius to Fahrenheit; finds the most common word in a text; checks whether a string is a
 palindrome; transposes a matrix; parses a date string; reads a JSON file and prints its keys; computes the median of
@@ -56,7 +56,7 @@ all prime numbers below n with a sieve; converts a number to binary; capitalizes
 two strings are anagrams; computes the sum of the digits of a number; rotates a list by k positions; finds the
 intersection of two lists; groups words by their first letter; computes a moving average; implements a queue class;
 finds the longest word in a sentence; merges two dictionaries; splits a list into chunks of size n; counts the
-frequency of each character; inserts a value into a binary search tree; multiplies two matrices; computes the
+frequency of each character; computes the depth of a nested dictionary; multiplies two matrices; computes the
 distance between two points; converts a Roman numeral to an integer; checks whether a year is a leap year;
 calculates compound interest; shuffles a deck of cards; simulates rolling two dice; finds the maximum subarray sum;
 implements an LRU cache; computes the Levenshtein distance; implements depth-first search on a graph; implements

