@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 
 SPEC_METHODS = ("draft_model", "ngram", "suffix", "replay")
 MAX_SPEC_TOKENS = 16
+ATTENTION_BACKENDS = ("auto", "reference", "torch", "triton")
 
 
 @dataclass(slots=True)
@@ -110,6 +111,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
             self.max_num_batched_tokens = self.max_model_len
 

@@ -74,6 +74,21 @@ def test_unknown_engine_argument_is_named(llama_path):
         LLM(model=llama_path, **ENGINE, max_num_seq=4)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("block_size", 0), ("max_model_len", 0),
+    ("kv_cache_memory", 0), ("gpu_memory_utilization", 1.5), ("quantization", "int4"),
+    ("attention_backend", "flash"), ("dtype", "float64"), ("device", "tpu"),
+])
+def test_bad_engine_argument_values_are_named(llama_path, field, value):
+    with pytest.raises(ValueError, match=field):
+        LLM(model=llama_path, **{**ENGINE, field: value})
+
+
+def test_max_model_len_beyond_the_model_is_refused(llama_path):
+    with pytest.raises(ValueError, match=r"max_model_len 4096 exceeds the model's limit of 1024"):
+        LLM(model=llama_path, **ENGINE, max_model_len=4096)
+
+
 # ---- stopping ----
 
 def test_max_tokens_is_exact(llm, reference):
@@ -82,6 +97,14 @@ def test_max_tokens_is_exact(llm, reference):
         (out,) = llm.generate([prompt], greedy(max_tokens), use_tqdm=False)
         assert out.outputs[0].token_ids == reference[prompt][:max_tokens]
         assert out.outputs[0].finish_reason == "length" and out.finished
+
+
+def test_context_limit_ends_generation(llama_path):
+    llm = LLM(model=llama_path, **ENGINE, max_model_len=32)
+    outs = llm.generate([list(range(3, 34)), list(range(3, 23))], greedy(max_tokens=None), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 12]  # prompt + output == max_model_len
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert_no_leaks(llm)
 
 
 def test_stop_token_ids_cut_there_and_leave_the_token_out_of_the_text(llm, reference):
@@ -153,11 +176,7 @@ def test_eos_stops_and_is_left_out_of_the_text(eos_case):
     assert out.outputs[0].token_ids == ids and out.outputs[0].finish_reason == "length"
 
 
-INFERENCE_TENSOR_BUG = ("bug: process_target_logits edits the runner's logits in place, but ModelRunner.forward "
-                        "returns inference-mode tensors: RuntimeError for any min_tokens ban or penalty")
 
-
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=INFERENCE_TENSOR_BUG)
 def test_min_tokens_holds_back_eos_and_stop_token_ids(eos_case):
     eos_llm, prompt, ids, j = eos_case
     eos = ids[j]
@@ -222,7 +241,6 @@ def test_logprobs_match_transformers(llm, llama_path, reference):
     assert out.outputs[0].logprobs is None and out.outputs[0].cumulative_logprob is None
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=INFERENCE_TENSOR_BUG)
 def test_penalties_match_an_independent_reference(llm, llama_path):
     """vLLM semantics, recomputed here from transformers logits: repetition penalty divides
     positive / multiplies negative logits of every token seen in prompt or output; frequency
@@ -281,4 +299,20 @@ def test_abort_mid_generation_frees_everything(llm):
         engine.add_request("x", [5], greedy(2))
         engine.add_request("x", [5], greedy(2))
     engine.abort_request("x")
+    assert_no_leaks(llm)
+
+
+def test_streamed_text_never_shrinks_with_stop_strings(llm, reference):
+    """Running outputs hold back a possible partial stop string (vLLM's stop buffer), so every
+    intermediate text is a prefix of the final one."""
+    tok = llm.tokenizer
+    prompt, ids, j, stop = stop_string_case(tok, reference)
+    stop = stop + "\x01never"  # a long stop string that never completes: only its prefix appears
+    engine = llm.engine
+    engine.add_request("stream", tok.encode(prompt), greedy(stop=[stop, tok.decode(ids[j:j + 2])]))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step()]
+    assert len(texts) > 3
+    assert all(texts[-1].startswith(t) for t in texts), texts
     assert_no_leaks(llm)

@@ -5,7 +5,9 @@ once per emitted token and the caller stops at the first token that finishes the
 Stop strings are matched on the detokenised text and, as in vLLM, removed from the output
 text unless ``include_stop_str_in_output``; a match must end in text that a token past
 ``min_tokens`` added. A request stopped by EOS or a stop token id keeps that token in its
-token ids but, as in vLLM, not in its text (unless ``include_stop_str_in_output``).
+token ids but, as in vLLM, not in its text (unless ``include_stop_str_in_output``). While a
+request with stop strings runs, its text holds back the last ``len(longest stop) - 1``
+characters, so streamed text never has to be taken back.
 """
 from __future__ import annotations
 
@@ -65,4 +67,8 @@ class OutputProcessor:
         if req.status == RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output:
             # stopped by EOS or a stop token id: the token is in token_ids, not in the text
             return self.tokenizer.decode(req.output_token_ids[:-1], skip_special_tokens=params.skip_special_tokens)
+        if not req.is_finished and params.stop and not params.include_stop_str_in_output:
+            # vLLM's stop buffer: hold back a tail that may still become a stop string, so that
+            # streamed text only ever grows (output_text is current: it is updated every token)
+            return req.output_text[: max(0, len(req.output_text) - max(len(s) for s in params.stop) + 1)]
         return self.decode(req)

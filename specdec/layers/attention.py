@@ -111,7 +111,7 @@ def paged_attention_torch(
     qsl = meta.query_start_loc_cpu
     num_reqs = meta.num_reqs
     q_len = qsl[1] - qsl[0] if num_reqs else 0
-    if num_reqs <= 1 or qsl[-1] != q_len * num_reqs:
+    if num_reqs <= 1 or any(qsl[i + 1] - qsl[i] != q_len for i in range(num_reqs)):
         return paged_attention_reference(query, kv_cache, meta, scale)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]

@@ -20,6 +20,7 @@ def process_target_logits(
     needs_min_tokens = any(r.sampling_params.min_tokens > r.num_output_tokens for r in requests)
     if meta_rows.no_penalties and not needs_min_tokens:
         return logits
+    logits = logits.clone()  # the runner's output is an inference tensor; and logprobs stay raw, as in vLLM
     prompts, outputs = [], []
     row = 0
     for req, d in zip(requests, drafts):

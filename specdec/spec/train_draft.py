@@ -300,7 +300,7 @@ def train(student, chunks, topk_ids, topk_logp, cfg: TrainDraftConfig, save) -> 
         opt.load_state_dict(state["optimizer"])
         step, elapsed, log = state["step"], state["elapsed_s"], state["log"]
     bar = tqdm(total=total, initial=step, desc="train draft", unit="step", disable=not cfg.progress, mininterval=5)
-    t0, start_elapsed, num_tokens = time.time(), elapsed, cfg.batch_size * cfg.seq_len
+    t0, start_step, start_elapsed, num_tokens = time.time(), step, elapsed, cfg.batch_size * cfg.seq_len
     while step < total:
         idx = order[step]
         for group in opt.param_groups:
@@ -318,7 +318,8 @@ def train(student, chunks, topk_ids, topk_logp, cfg: TrainDraftConfig, save) -> 
         elapsed = start_elapsed + time.time() - t0
         log.append({"step": step, "kl_topk": round(loss.item(), 5), "lr": opt.param_groups[0]["lr"],
                     "elapsed_s": round(elapsed, 1)})
-        bar.set_postfix(kl=f"{loss.item():.3f}", tok_s=f"{num_tokens * (step - bar.initial) / (elapsed - start_elapsed):.0f}")
+        tokens_per_s = num_tokens * (step - start_step) / max(elapsed - start_elapsed, 1e-9)
+        bar.set_postfix(kl=f"{loss.item():.3f}", tok_s=f"{tokens_per_s:.0f}")
         bar.update(1)
         out_of_time = cfg.max_minutes is not None and elapsed > 60 * cfg.max_minutes
         if step % cfg.save_every == 0 or step == total or out_of_time:

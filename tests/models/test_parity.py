@@ -145,11 +145,7 @@ def test_greedy_generation_matches_transformers(variant, variant_path, hf_refere
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
 
 
-ATTENTION_BUG = ("bug: paged_attention_torch takes its batched path whenever total query rows == first "
-                 "request's rows * num_reqs, so ragged lengths like [2, 1, 3] are attended as if uniform")
 
-
-@pytest.mark.xfail(strict=True, reason=ATTENTION_BUG)
 def test_ragged_batch_whose_total_looks_uniform(llama_path, hf_reference):
     model, greedy = hf_reference(llama_path)
     llm = LLM(model=llama_path, **ENGINE, max_model_len=256)

@@ -41,10 +41,14 @@ def assert_no_leaks(llm: LLM) -> None:
     assert not engine.has_unfinished_requests() and not engine.groups and not engine.kv.req_blocks
 
 
-@pytest.mark.parametrize("draft, k", [("noisy", 1), ("noisy", 3), ("noisy", 5), ("noisy", 8), ("other", 3)])
-def test_greedy_is_identical_in_mixed_batches(draft, k, llama_path, noisy_draft_path, other_draft_path,
+@pytest.mark.parametrize("draft, k", [("noisy", 1), ("noisy", 3), ("noisy", 5), ("noisy", 8), ("other", 3),
+                                      ("padded_vocab", 2)])
+def test_greedy_is_identical_in_mixed_batches(draft, k, llama_path, noisy_draft_path, other_draft_path, make_model,
                                               prompts, reference):
-    llm = spec_llm(llama_path, {"noisy": noisy_draft_path, "other": other_draft_path}[draft], k)
+    drafts = {"noisy": noisy_draft_path, "other": other_draft_path}
+    if draft == "padded_vocab":  # same tokenizer, embedding rows padded past it (384 > 320): logits are sliced
+        drafts[draft] = make_model("padded_vocab_draft", arch="mistral", vocab_size=384, num_layers=1, seed=9)
+    llm = spec_llm(llama_path, drafts[draft], k)
     assert len(prompts) >= 20
     sampled = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=MAX_TOKENS, ignore_eos=True)
                for i in range(6)]
@@ -220,3 +224,56 @@ def test_draft_with_a_different_vocabulary_is_refused(llama_path, make_model, ma
     draft = make_model("char_vocab_draft", arch="llama", tokenizer=make_char_tokenizer(), vocab_size=32)
     with pytest.raises(ValueError, match="different tokenizer"):
         spec_llm(llama_path, draft, 3)
+
+
+SHARED_PREFIX = ("def dedent(text):\n    \"\"\"Remove any common leading whitespace from every\n"
+                 "    line in `text`.\n    \"\"\"\n")
+
+
+def test_prefix_hits_and_chunked_prefill_with_speculation(llama_path, noisy_draft_path):
+    """Prefix-cache hits (the draft recomputes its own KV for shared blocks) and prefill chunks
+    sharing a small token budget with verification rows."""
+    prompts = [SHARED_PREFIX + tail for tail in ("    margin = None", "    lines = []", "    return", "x")]
+    plain = LLM(model=llama_path, **ENGINE, enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(), use_tqdm=False)]
+    llm = spec_llm(llama_path, noisy_draft_path, 4, block_size=8, max_num_batched_tokens=24)
+    assert max(len(llm.tokenizer.encode(p)) for p in prompts) > 24  # prompts arrive in chunks
+    first = llm.generate(prompts[:1], greedy(), use_tqdm=False)
+    assert first[0].outputs[0].token_ids == want[0]
+    for _ in range(2):  # the second call also hits blocks holding generated tokens
+        outs = llm.generate(prompts, greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert all(o.metrics.num_cached_tokens >= 16 for o in outs)
+    m = llm.get_metrics()
+    assert m["prefix_cache_hits"] >= 8 and m["num_accepted_tokens"] > 0
+    assert_no_leaks(llm)
+
+
+
+def test_logprobs_with_speculation_match_plain_decoding(llama_path, noisy_draft_path, prompts):
+    params = greedy(logprobs=3)
+    plain = LLM(model=llama_path, **ENGINE).generate(prompts[:6], params, use_tqdm=False)
+    spec = spec_llm(llama_path, noisy_draft_path, 4).generate(prompts[:6], params, use_tqdm=False)
+    for a, b in zip(plain, spec):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for da, db in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert da.keys() == db.keys()
+            assert all(abs(da[t] - db[t]) < 1e-4 for t in da)
+        assert b.outputs[0].cumulative_logprob == pytest.approx(a.outputs[0].cumulative_logprob, abs=1e-3)
+
+
+
+def test_penalties_and_min_tokens_with_speculation_match_plain_decoding(llama_path, noisy_draft_path, prompts,
+                                                                        reference, make_copy_with_eos, tmp_path):
+    """Verification row i of a request must see the drafts before it as output (penalties) and
+    ban EOS while num_output + i < min_tokens."""
+    prompt, ids = next((p, ids) for p, ids in reference.items() if ids[4] not in ids[:4])
+    eos_path = make_copy_with_eos(llama_path, tmp_path / "eos", ids[4])  # greedy would stop at token 4
+    params = [greedy(ignore_eos=False, min_tokens=10),
+              greedy(repetition_penalty=1.3, frequency_penalty=0.3, presence_penalty=0.4),
+              greedy(ignore_eos=False, min_tokens=6, repetition_penalty=1.1)]
+    batch = [prompt] * 3 + prompts[:3]
+    plain = LLM(model=eos_path, **ENGINE).generate(batch, params * 2, use_tqdm=False)
+    assert len(plain[0].outputs[0].token_ids) >= 10 and ids[4] not in plain[0].outputs[0].token_ids[:10]
+    spec = spec_llm(eos_path, noisy_draft_path, 4).generate(batch, params * 2, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]

@@ -82,7 +82,7 @@ def test_shakespeare_reader_holds_out_one_play(tmp_path):
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("target"), vocab_size=320, hidden_size=64, num_layers=2,
-                           tie_word_embeddings=True, max_position_embeddings=256)
+                           tie_word_embeddings=True, max_position_embeddings=1024)
 
 
 def _config(target_dir, root, **overrides) -> TrainDraftConfig:
