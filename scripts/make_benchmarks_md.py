@@ -73,6 +73,8 @@ def provenance(data: dict) -> str:
         bw_text = f"measured copy bandwidth **{bw:.1f} GB/s**" if bw else "bandwidth not measured"
         lines.append(f"Machine: {m.get('cpu')} ({flags}), {m.get('cpu_cores')} cores, "
                      f"{m.get('torch_threads')} torch threads{gpu}; {bw_text}")
+        if m.get("env"):
+            lines.append("Environment: " + ", ".join(f"`{k}={v}`" for k, v in m["env"].items()))
         if load:
             lines.append(f"Load average at the end of the run: {load[0]:.1f} (shared machine: ratios, not absolute times)")
     else:

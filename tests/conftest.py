@@ -7,11 +7,17 @@ specdec promises token-identical greedy output.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton fixes interpreter vs compiled mode at import: without a GPU every kernel test runs
+# interpreted, so set it before anything can import triton (on a GPU the kernels compile).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Tiny models gain nothing from intra-op threads, and on shared, busy cores the thread pool's
 # spin-waits make every op 10x slower: one thread keeps the suite fast.

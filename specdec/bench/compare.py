@@ -18,7 +18,7 @@ import torch
 from specdec.bench import driver
 from specdec.bench.cli import add_common_args, engine_args
 from specdec.bench.report import format_table, median, result_header, write_json
-from specdec.bench.roofline import engine_roofline, measure_bandwidth
+from specdec.bench.roofline import engine_roofline, measure_bandwidth, paired_fraction
 
 
 def add_parser(sub):
@@ -111,14 +111,15 @@ def measure(args) -> dict:
     if args.temperature != 0:
         raise ValueError("compare checks greedy agreement: --temperature must be 0")
     systems, llm = build_systems(args)
-    bandwidth = measure_bandwidth(args.bandwidth_mib << 20, device=llm.engine.device)
     prompts = driver.make_prompts(llm, args.prompts, args.num_prompts, args.input_len, seed=args.seed * 7919)
     warm = prompts[0][: max(1, args.input_len // 4)]
     for fn in systems.values():  # warm-up: first-call allocations, oneDNN primitive caches
         fn(warm)
     rates: dict[str, list[float]] = {name: [] for name in systems}
     outputs: dict[str, list[list[int]]] = {}
+    bandwidths = []
     for rep in range(args.num_iters):
+        bandwidths.append(measure_bandwidth(args.bandwidth_mib << 20, repeats=3, device=llm.engine.device))
         for name, fn in systems.items():
             t = time.perf_counter()
             outs = [fn(p) for p in prompts]
@@ -129,12 +130,13 @@ def measure(args) -> dict:
               ", ".join(f"{n} {r[-1]:.2f}" for n, r in rates.items()), flush=True)
     reference_name = "transformers generate" if "transformers generate" in outputs else next(iter(outputs))
     reference = outputs[reference_name]
+    bandwidth = median(bandwidths)
     roof = engine_roofline(llm, bandwidth, args.input_len + args.output_len / 2, 1)
     rows = []
     for name in systems:
         tps = median(rates[name])
         rows.append({"system": name, "tokens_per_s": tps, "tokens_per_s_per_iter": rates[name],
-                     "roofline_fraction": roof.fraction(tps),
+                     "roofline_fraction": paired_fraction(rates[name], bandwidths, roof),
                      "agreement_with_reference": driver.agreement(reference, outputs[name])})
     base = next((r["tokens_per_s"] for r in rows if r["system"] == reference_name), None)
     for r in rows:
@@ -148,7 +150,7 @@ def measure(args) -> dict:
                 "reference": reference_name,
                 "note": "end-to-end tokens/s incl. prefill, batch 1; 'specdec' is the n-gram engine with "
                         "use_speculation=False per request"},
-        roofline=roof.as_dict(),
+        roofline={**roof.as_dict(), "bandwidth_gb_per_s_per_iter": [b / 1e9 for b in bandwidths]},
         rows=rows,
     )
     return result

@@ -11,7 +11,7 @@ from specdec.bench import driver
 from specdec.bench.cli import add_common_args, engine_args, has_speculation
 from specdec.bench.leviathan import AcceptanceCounts, leviathan_bound
 from specdec.bench.report import format_table, median, result_header, write_json
-from specdec.bench.roofline import engine_roofline, measure_bandwidth
+from specdec.bench.roofline import engine_roofline, measure_bandwidth, paired_fraction
 
 
 def add_parser(sub):
@@ -81,18 +81,19 @@ def measure(args) -> dict:
     llm = make_llm(engine_args(args, speculative=speculative))
     base = make_llm(engine_args(args, speculative=False)) if speculative else llm
     cost = driver.draft_cost_ratio(llm, args.batch_size) if speculative else None  # before any request
-    bandwidth = measure_bandwidth(args.bandwidth_mib << 20, device=base.engine.device)
     params = driver.greedy_params(args.output_len, args.temperature, seed=args.seed if args.temperature else None)
     driver.warmup(base)
     if speculative:
         driver.warmup(llm)
-    base_runs, spec_runs = [], []
+    base_runs, spec_runs, bandwidths = [], [], []
     for rep in range(args.num_iters):
+        bandwidths.append(measure_bandwidth(args.bandwidth_mib << 20, repeats=3, device=base.engine.device))
         prompts = driver.make_prompts(base, args.prompts, args.batch_size, args.input_len, seed=args.seed * 7919 + rep)
         base_runs.append(driver.timed_generate(base, prompts, params))
         if speculative:  # same prompts; a replay proposer gets the plain run's output as its reference
             driver.register_references(llm, prompts, base_runs[-1].token_ids)
             spec_runs.append(driver.timed_generate(llm, prompts, params))
+    bandwidth = median(bandwidths)
     roof = engine_roofline(base, bandwidth, args.input_len + args.output_len / 2, args.batch_size)
     baseline = summarize_runs(base_runs)
     result = result_header(args, "latency", bandwidth, base.engine.device)
@@ -101,15 +102,16 @@ def measure(args) -> dict:
                 "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
                 "num_iters": args.num_iters, "prompts": args.prompts, "temperature": args.temperature,
                 "speculative_config": args.speculative_config or args.speculative_model},
-        roofline=roof.as_dict(),
+        roofline={**roof.as_dict(), "bandwidth_gb_per_s_per_iter": [b / 1e9 for b in bandwidths]},
         baseline=baseline,
-        roofline_fraction=roof.fraction(baseline["decode_tokens_per_s"]),
+        roofline_fraction=paired_fraction([r.decode_tokens_per_s for r in base_runs], bandwidths, roof),
         speculative=None,
     )
     if speculative:
         spec = summarize_runs(spec_runs)
         spec.update(speculation_figures(llm, base_runs, spec_runs, cost))
-        spec["roofline_fraction"] = roof.fraction(spec["decode_tokens_per_s"])  # > 1: beyond plain decoding
+        # > 1: beyond what plain decoding can reach
+        spec["roofline_fraction"] = paired_fraction([r.decode_tokens_per_s for r in spec_runs], bandwidths, roof)
         if args.temperature == 0:
             spec["greedy_agreement"] = driver.agreement(
                 [t for r in base_runs for t in r.token_ids], [t for r in spec_runs for t in r.token_ids])

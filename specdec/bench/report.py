@@ -72,6 +72,9 @@ def machine_info(bandwidth_bytes_per_s: float | None, device: torch.device | Non
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "bandwidth_gb_per_s": None if bandwidth_bytes_per_s is None else bandwidth_bytes_per_s / 1e9,
         "device": str(device) if device is not None else "cpu",
+        # OpenMP's wait policy decides how a busy, shared machine treats the thread pool
+        "env": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")
+                if k in os.environ},
     }
     if device is not None and device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)

@@ -125,6 +125,16 @@ def roofline(bandwidth: float, weights: WeightBytes, kv_per_token: int, mean_con
                     step, batch_size * bandwidth / step)
 
 
+def paired_fraction(tokens_per_s: list[float], bandwidths: list[float], roof: Roofline) -> float:
+    """Median over repetitions of measured / roofline, each repetition against the bandwidth
+    measured just before it (on a shared machine both move with the load)."""
+    import statistics
+
+    fractions = [tps / (roof.tokens_per_s * bw / roof.bandwidth_bytes_per_s)
+                 for tps, bw in zip(tokens_per_s, bandwidths)]
+    return statistics.median(fractions)
+
+
 def engine_roofline(llm, bandwidth: float, mean_context_len: float, batch_size: int = 1) -> Roofline:
     """The roofline of an ``LLM``'s target model as loaded (dtype, packing, quantization)."""
     engine = llm.engine

@@ -18,7 +18,7 @@ from specdec.bench import driver
 from specdec.bench.cli import add_common_args, engine_args
 from specdec.bench.latency import speculation_figures, summarize_runs
 from specdec.bench.report import format_table, median, result_header, write_json
-from specdec.bench.roofline import engine_roofline, measure_bandwidth
+from specdec.bench.roofline import engine_roofline, measure_bandwidth, paired_fraction
 
 
 def add_parser(sub):
@@ -54,19 +54,20 @@ def measure(args) -> dict:
     if not all(0.0 <= a <= 1.0 for a in args.acceptances) or min(args.ks) < 1:
         raise ValueError("--acceptances must be in [0, 1] and --ks >= 1")
     base = make_llm(engine_args(args, speculative=False))
-    bandwidth = measure_bandwidth(args.bandwidth_mib << 20, device=base.engine.device)
     params = driver.greedy_params(args.output_len)
     prompts = driver.make_prompts(base, args.prompts, args.batch_size, args.input_len, seed=args.seed * 7919)
     driver.warmup(base)
     references = driver.timed_generate(base, prompts, params).token_ids  # greedy, no speculation
-    cells = []
+    cells, bandwidths, base_rates = [], [], []
     for k in args.ks:
         llm = make_llm(_replay_args(args, k, args.acceptances[0]))
         driver.register_references(llm, prompts, references)
         driver.warmup(llm)
         base_runs, spec_runs = [], {a: [] for a in args.acceptances}
         for _ in range(args.num_iters):
+            bandwidths.append(measure_bandwidth(args.bandwidth_mib << 20, repeats=3, device=base.engine.device))
             base_runs.append(driver.timed_generate(base, prompts, params))
+            base_rates.append(base_runs[-1].decode_tokens_per_s)
             for a in args.acceptances:
                 llm.engine.proposer.acceptance = a
                 spec_runs[a].append(driver.timed_generate(llm, prompts, params))
@@ -81,17 +82,18 @@ def measure(args) -> dict:
                   f"bound {cell['leviathan_bound']:.2f} efficiency {cell['efficiency']:.2f}", flush=True)
         del llm
         gc.collect()
+    bandwidth = median(bandwidths)
     roof = engine_roofline(base, bandwidth, args.input_len + args.output_len / 2, args.batch_size)
-    base_tps = median(c["baseline_decode_tokens_per_s"] for c in cells)
+    base_tps = median(base_rates)
     result = result_header(args, "sweep", bandwidth, base.engine.device)
     result.update(
         config={"model": base.engine.model_path, "dtype": str(base.engine.dtype).removeprefix("torch."),
                 "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
                 "num_iters": args.num_iters, "prompts": args.prompts, "acceptances": args.acceptances,
                 "ks": args.ks},
-        roofline=roof.as_dict(),
-        baseline={"decode_tokens_per_s": base_tps},
-        roofline_fraction=roof.fraction(base_tps),
+        roofline={**roof.as_dict(), "bandwidth_gb_per_s_per_iter": [b / 1e9 for b in bandwidths]},
+        baseline={"decode_tokens_per_s": base_tps, "decode_tokens_per_s_per_iter": base_rates},
+        roofline_fraction=paired_fraction(base_rates, bandwidths, roof),
         cells=cells,
     )
     return result

@@ -10,7 +10,8 @@ from specdec.bench import driver
 from specdec.bench.cli import add_common_args, engine_args, has_speculation
 from specdec.bench.latency import speculation_figures, summarize_runs
 from specdec.bench.report import format_table, result_header, write_json
-from specdec.bench.roofline import engine_roofline, measure_bandwidth
+from specdec.bench.report import median
+from specdec.bench.roofline import engine_roofline, measure_bandwidth, paired_fraction
 
 
 def add_parser(sub):
@@ -43,36 +44,38 @@ def measure(args) -> dict:
     llm = make_llm(engine_args(args, speculative=speculative, max_num_seqs=max_b))
     base = make_llm(engine_args(args, speculative=False, max_num_seqs=max_b)) if speculative else llm
     cost = driver.draft_cost_ratio(llm, 1) if speculative else None
-    bandwidth = measure_bandwidth(args.bandwidth_mib << 20, device=base.engine.device)
     params = driver.greedy_params(args.output_len, args.temperature, seed=args.seed if args.temperature else None)
     driver.warmup(base)
     if speculative:
         driver.warmup(llm)
-    rows = []
+    rows, all_bandwidths = [], []
     for b in args.batch_sizes:
         for engine_llm in {id(base): base, id(llm): llm}.values():
             engine_llm.engine.scheduler.max_num_seqs = b  # concurrency = B for this row
-        base_runs, spec_runs = [], []
+        base_runs, spec_runs, bandwidths = [], [], []
         for rep in range(args.num_iters):
+            bandwidths.append(measure_bandwidth(args.bandwidth_mib << 20, repeats=3, device=base.engine.device))
+            all_bandwidths.append(bandwidths[-1])
             prompts = driver.make_prompts(base, args.prompts, b * args.waves, args.input_len,
                                           seed=args.seed * 7919 + 101 * b + rep)
             base_runs.append(driver.timed_generate(base, prompts, params))
             if speculative:
                 driver.register_references(llm, prompts, base_runs[-1].token_ids)
                 spec_runs.append(driver.timed_generate(llm, prompts, params))
-        roof = engine_roofline(base, bandwidth, args.input_len + args.output_len / 2, b)
-        row = {"batch_size": b, "num_requests": b * args.waves, "roofline": roof.as_dict(),
+        roof = engine_roofline(base, median(bandwidths), args.input_len + args.output_len / 2, b)
+        row = {"batch_size": b, "num_requests": b * args.waves,
+               "roofline": {**roof.as_dict(), "bandwidth_gb_per_s_per_iter": [x / 1e9 for x in bandwidths]},
                "baseline": summarize_runs(base_runs)}
-        row["roofline_fraction"] = roof.fraction(row["baseline"]["decode_tokens_per_s"])
+        row["roofline_fraction"] = paired_fraction([r.decode_tokens_per_s for r in base_runs], bandwidths, roof)
         if speculative:
             spec = summarize_runs(spec_runs)
             spec.update(speculation_figures(llm, base_runs, spec_runs, cost))
-            spec["roofline_fraction"] = roof.fraction(spec["decode_tokens_per_s"])
+            spec["roofline_fraction"] = paired_fraction([r.decode_tokens_per_s for r in spec_runs], bandwidths, roof)
             row["speculative"] = spec
         rows.append(row)
         print(f"batch {b}: {row['baseline']['decode_tokens_per_s']:.2f} decode tok/s "
               f"({row['roofline_fraction']:.2f} of roofline)", flush=True)
-    result = result_header(args, "throughput", bandwidth, base.engine.device)
+    result = result_header(args, "throughput", median(all_bandwidths), base.engine.device)
     result.update(
         config={"model": base.engine.model_path, "dtype": str(base.engine.dtype).removeprefix("torch."),
                 "batch_sizes": args.batch_sizes, "waves": args.waves, "input_len": args.input_len,

@@ -161,7 +161,7 @@ class LLMEngine:
                 req.num_draft_tokens += num_drafted
                 req.num_accepted_tokens += accepted
                 self.observe_acceptance(req, num_drafted, accepted)
-            req.num_computed_tokens += n + accepted
+            num_computed = req.num_computed_tokens + n + accepted  # the fed token + accepted drafts
             status = None
             for j, token in enumerate(emitted):
                 if req.output_logprobs is not None:
@@ -171,6 +171,8 @@ class LLMEngine:
                 if status is not None:
                     break
             row += num_drafted + 1
+            # a stop inside the accepted run keeps fewer tokens than were computed
+            req.num_computed_tokens = min(num_computed, req.num_tokens)
             req.first_token_time = req.first_token_time or now
             req.last_token_time = now
             self.kv.cache_full_blocks(req)

@@ -62,6 +62,7 @@ class TrainDraftConfig:
     save_every: int = 50
     max_minutes: float | None = None  # training time budget: stop (after a save) and end the LR decay there
     device: str = "auto"
+    num_threads: int | None = None    # CPU threads (torch default: all cores)
     seed: int = 0
     progress: bool = True
     stats: dict = field(default_factory=dict)  # filled by the run: phase times, final metrics
@@ -353,6 +354,8 @@ def train_draft(cfg: TrainDraftConfig) -> dict:
     from specdec.runtime.device import resolve_device
 
     device = resolve_device(cfg.device)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
     target_dir = resolve_target(cfg.target)
     work, out = cfg.work_path, Path(cfg.out).expanduser()
     work.mkdir(parents=True, exist_ok=True)
@@ -405,6 +408,7 @@ _FLAG_HELP = {
     "warmup_steps": "linear warmup steps", "save_every": "checkpoint + HF folder every N steps",
     "max_minutes": "training time budget: stop there (after a save), the LR decay ends there",
     "device": "auto | cpu | cuda[:N] | rocm", "seed": "seed for prompts, data order and init",
+    "num_threads": "CPU threads (on a shared machine also export OMP_WAIT_POLICY=PASSIVE)",
 }
 
 
@@ -417,18 +421,22 @@ def register_cli(subparsers) -> None:
     defaults = TrainDraftConfig(target="", out="")
     for name, help_text in _FLAG_HELP.items():
         value = getattr(defaults, name)
-        kind = {"work_dir": str, "steps": int, "max_minutes": float}.get(name, type(value))
+        kind = {"work_dir": str, "steps": int, "max_minutes": float, "num_threads": int}.get(name, type(value))
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=value, help=help_text)
     p.add_argument("--sources", default=",".join(SOURCES), help="comma-separated corpus sources")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_train_draft)
 
 
-def _cmd_train_draft(args) -> int:
+def config_from_args(args) -> TrainDraftConfig:
     fields = {name: getattr(args, name) for name in TrainDraftConfig.__dataclass_fields__
               if name not in ("stats", "progress", "sources")}
-    cfg = TrainDraftConfig(**fields, sources=tuple(s for s in args.sources.split(",") if s),
-                           progress=not args.no_progress)
+    return TrainDraftConfig(**fields, sources=tuple(s for s in args.sources.split(",") if s),
+                            progress=not args.no_progress)
+
+
+def _cmd_train_draft(args) -> int:
+    cfg = config_from_args(args)
     report = train_draft(cfg)
     print(json.dumps(report, indent=1))
     print(f"draft written to {Path(cfg.out).expanduser()}")

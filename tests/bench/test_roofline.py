@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from specdec.bench.roofline import (WeightBytes, kv_bytes_per_token, measure_bandwidth, roofline, tensor_nbytes,
-                                    weight_bytes)
+from specdec.bench.roofline import (WeightBytes, kv_bytes_per_token, measure_bandwidth, paired_fraction, roofline,
+                                    tensor_nbytes, weight_bytes)
 from specdec.layers.quantization import Int8Linear, PackedLinear, _can_pack
 
 
@@ -81,3 +81,11 @@ def test_kv_bytes_per_token_gqa():
 def test_measured_bandwidth_is_a_plausible_rate():
     bw = measure_bandwidth(num_bytes=8 << 20, repeats=2)
     assert math.isfinite(bw) and 1e8 < bw < 1e13
+
+
+def test_paired_fraction_scales_the_roofline_with_each_repetitions_bandwidth():
+    r = roofline(bandwidth=20e9, weights=WeightBytes(2_000_000_000, 2_000_000_000, 0), kv_per_token=0,
+                 mean_context_len=0)
+    assert r.tokens_per_s == pytest.approx(10.0)
+    # a busy repetition: half the bandwidth and half the speed is still the same fraction
+    assert paired_fraction([8.0, 4.0, 9.0], [20e9, 10e9, 20e9], r) == pytest.approx(0.8)

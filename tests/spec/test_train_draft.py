@@ -1,6 +1,7 @@
 """``specdec train-draft`` on a tiny random target: the loss, the corpus, training, resume, the HF folder."""
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import shutil
@@ -11,8 +12,8 @@ import torch
 
 from specdec.models.tiny import make_tiny_model
 from specdec.spec import draft_corpus
-from specdec.spec.train_draft import (FusedHeadTopKRestKL, TrainDraftConfig, simulated_acceptance_length,
-                                      topk_rest_kl_rows, train_draft)
+from specdec.spec.train_draft import (FusedHeadTopKRestKL, TrainDraftConfig, config_from_args, register_cli,
+                                      simulated_acceptance_length, topk_rest_kl_rows, train_draft)
 
 
 def _reference_kl(hidden, weight, ids, logp):
@@ -172,3 +173,15 @@ def test_config_rejects_bad_values():
         TrainDraftConfig(target="t", out="o", sources=("wikipedia",))
     with pytest.raises(ValueError, match="num_heads"):
         TrainDraftConfig(target="t", out="o", hidden_size=100, num_heads=3)
+
+
+def test_cli_flags_build_the_config():
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers())
+    args = parser.parse_args(["train-draft", "--target", "t", "--out", "o", "--steps", "3", "--max-minutes", "1.5",
+                              "--sources", "chat,stdlib", "--hidden-size", "128", "--no-progress"])
+    cfg = config_from_args(args)
+    assert (cfg.steps, cfg.max_minutes, cfg.sources, cfg.hidden_size, cfg.progress) == (3, 1.5, ("chat", "stdlib"),
+                                                                                        128, False)
+    assert cfg.work_dir is None and cfg.work_path.name == ".o-train"
+    assert callable(args.func)
