@@ -98,39 +98,69 @@ def paged_attention_reference(
     return out
 
 
+def _grouped_attention(
+    q: torch.Tensor,  # [R, Q, H, D]
+    k: torch.Tensor,  # [R, L, Hkv, D]
+    v: torch.Tensor,  # [R, L, Hkv, D]
+    mask: torch.Tensor | None,  # [R, Q, L] bool, True = may attend
+    scale: float,
+) -> torch.Tensor:  # [R * Q, H, D]
+    """matmul -> float32 softmax -> matmul, with each KV head serving its query group directly
+    (no repeated K/V). On CPU this is 3-30x faster than SDPA for decode-shaped queries in bf16."""
+    num_reqs, q_len, num_heads, head_dim = q.shape
+    num_kv_heads, seq_len = k.shape[2], k.shape[1]
+    group = num_heads // num_kv_heads
+    qg = q.view(num_reqs, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(num_reqs, num_kv_heads, group * q_len, head_dim)  # rows ordered (g, q)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [R, Hkv, G*Q, L]
+    if mask is not None:
+        scores = scores.view(num_reqs, num_kv_heads, group, q_len, seq_len)
+        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+        scores = scores.view(num_reqs, num_kv_heads, group * q_len, seq_len)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [R, Hkv, G*Q, D]
+    out = out.view(num_reqs, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_reqs * q_len, num_heads, head_dim)
+
+
 def paged_attention_torch(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """The reference's result with one SDPA call when every request has the same query length
-    (pure decode steps, or verification steps with the same K): keys are gathered through the
-    block tables into a padded [R, L] batch and masked per request. Mixed steps (prefill
-    chunks next to decode rows) fall back to the per-request reference."""
+    """The reference's result, faster: when every request has the same query length (pure
+    decode steps, or verification steps with one K) all requests go through one grouped
+    attention over keys gathered into a padded [R, L] batch and masked per request; mixed
+    steps (prefill chunks next to decode rows) run the same kernel per request."""
     qsl = meta.query_start_loc_cpu
     num_reqs = meta.num_reqs
-    q_len = qsl[1] - qsl[0] if num_reqs else 0
-    if num_reqs <= 1 or any(qsl[i + 1] - qsl[i] != q_len for i in range(num_reqs)):
-        return paged_attention_reference(query, kv_cache, meta, scale)
+    q_lens = [qsl[i + 1] - qsl[i] for i in range(num_reqs)]
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
     bs = meta.block_size
+    if num_reqs > 1 and any(q != q_lens[0] for q in q_lens):
+        out = torch.empty_like(query)
+        for r, seq_len in enumerate(meta.seq_lens_cpu):
+            if q_lens[r]:
+                sub = AttentionMetadata(
+                    meta.query_start_loc[r:r + 2] - qsl[r], meta.seq_lens[r:r + 1], meta.block_tables[r:r + 1],
+                    meta.slot_mapping, [0, q_lens[r]], [seq_len], bs)
+                out[qsl[r]:qsl[r + 1]] = paged_attention_torch(query[qsl[r]:qsl[r + 1]], kv_cache, sub, scale)
+        return out
+    q_len = q_lens[0]
     max_len = max(meta.seq_lens_cpu)
     num_blocks = -(-max_len // bs)
     table = meta.block_tables[:, :num_blocks]  # [R, nb]
     k = kv_cache[0][table].view(num_reqs, num_blocks * bs, num_kv_heads, head_dim)[:, :max_len]
     v = kv_cache[1][table].view(num_reqs, num_blocks * bs, num_kv_heads, head_dim)[:, :max_len]
-    q = query.view(num_reqs, q_len, num_heads, head_dim).transpose(1, 2)  # [R, H, q, D]
-    # row j of request r sees keys <= seq_len[r] - q_len + j (bottom-right causal, padded keys hidden)
-    rows = torch.arange(q_len, device=query.device).view(1, q_len, 1)
-    cols = torch.arange(max_len, device=query.device).view(1, 1, max_len)
-    mask = cols <= (meta.seq_lens.view(-1, 1, 1) - q_len + rows)  # [R, q, L]
-    out = F.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1), scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )
-    return out.transpose(1, 2).reshape(-1, num_heads, head_dim)
+    mask = None
+    if q_len > 1 or min(meta.seq_lens_cpu) != max_len:
+        # row j of request r sees keys <= seq_len[r] - q_len + j (bottom-right causal, padding hidden)
+        rows = torch.arange(q_len, device=query.device).view(1, q_len, 1)
+        cols = torch.arange(max_len, device=query.device).view(1, 1, max_len)
+        mask = cols <= (meta.seq_lens.view(-1, 1, 1) - q_len + rows)  # [R, q, L]
+    return _grouped_attention(query.view(num_reqs, q_len, num_heads, head_dim), k, v, mask, scale)
 
 
 REFERENCE_BACKEND = AttentionBackend("reference", write_kv_cache, paged_attention_reference)
