@@ -54,6 +54,9 @@ def register_cli(subparsers) -> None:
         p = module.add_parser(sub)
         p.set_defaults(bench_parser=p)
     _register_serve(sub)
+    from specdec.bench.workloads import add_workloads_parser
+
+    add_workloads_parser(sub)
     m = sub.add_parser("make-model", help="write a random checkpoint for benchmarks (speed ignores weights)")
     m.add_argument("out")
     m.add_argument("--preset", default="tinyllama-1.1b", choices=["tinyllama-1.1b", "tiny"])

@@ -1,0 +1,146 @@
+"""``specdec bench workloads``: draft-free speculation on the workloads it is for, and against.
+
+- ``grounded``: edit a given Python file and print it back whole (outputs repeat long spans of
+  the prompt): where prompt lookup / suffix decoding should pay most.
+- ``open``: open-ended writing with no source to copy: drafts are poor, and ``"auto"`` must
+  stay within a few percent of no speculation.
+- ``batch``: many open-ended requests at once (verification is no longer free): ``"auto"``
+  must never be slower than speculation off.
+Every configuration runs on the same engine weights, same prompts, same sampling, in one
+process, interleaved over repetitions; the table reports medians and speedup vs off.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import statistics
+import time
+
+from specdec.sampling_params import SamplingParams
+
+EDIT_SOURCES = ("textwrap.dedent", "json.dumps", "shlex.quote", "fnmatch.translate")
+OPEN_PROMPTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Describe your ideal weekend in the mountains.",
+    "Explain to a child why the sky is blue, in a friendly tone.",
+    "Write a poem about the first snow of winter.",
+)
+
+
+def _source(qualname: str) -> str:
+    import importlib
+
+    module, name = qualname.rsplit(".", 1)
+    return inspect.getsource(getattr(importlib.import_module(module), name))
+
+
+def grounded_prompts() -> list[list[dict]]:
+    out = []
+    for qualname in EDIT_SOURCES:
+        src = _source(qualname)
+        out.append([{"role": "user", "content": (
+            "Here is a Python function:\n```python\n" + src + "```\n"
+            "Add a one-line comment above the first line of the body saying what it does, and "
+            "otherwise return the whole function unchanged in a python code block.")}])
+    return out
+
+
+def open_prompts(n: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": OPEN_PROMPTS[i % len(OPEN_PROMPTS)]}] for i in range(n)]
+
+
+def run_config(llm, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[float, int, dict]:
+    before = dict(llm.get_metrics())
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    after = llm.get_metrics()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    drafts = after["num_drafts"] - before.get("num_drafts", 0)
+    accepted = after["num_accepted_tokens"] - before.get("num_accepted_tokens", 0)
+    drafted = after["num_draft_tokens"] - before.get("num_draft_tokens", 0)
+    return elapsed, tokens, {
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "outputs": [o.outputs[0].token_ids for o in outs],
+    }
+
+
+def bench_workloads(args) -> dict:
+    from specdec import LLM
+    from specdec.cli import engine_kwargs
+
+    base_kwargs = engine_kwargs(args)
+    base_kwargs.pop("speculative_config", None)
+    configs = {"off": None}
+    for method in args.methods:
+        spec = {"method": method, "num_speculative_tokens": args.k}
+        if method == "ngram":
+            spec.update(prompt_lookup_min=1, prompt_lookup_max=4)
+        configs[method] = spec
+        configs[f"{method}-auto"] = dict(spec, num_speculative_tokens="auto", max_num_speculative_tokens=args.k)
+    engines = {name: LLM(model=args.model, speculative_config=spec, **base_kwargs) for name, spec in configs.items()}
+    workloads = {
+        "grounded": (grounded_prompts(), args.output_len),
+        "open": (open_prompts(4), args.output_len),
+        "batch": (open_prompts(args.batch), args.output_len // 2),
+    }
+    results = {}
+    for wname in args.workloads:
+        convs, out_len = workloads[wname]
+        ids = [engines["off"].apply_chat_template(c) for c in convs]
+        params = SamplingParams(temperature=0, max_tokens=out_len)
+        times = {name: [] for name in engines}
+        extra = {}
+        for _ in range(args.repeats):  # interleaved A/B/C...
+            for name, llm in engines.items():
+                elapsed, tokens, info = run_config(llm, ids, params)
+                times[name].append(tokens / elapsed)
+                extra[name] = info
+        base = statistics.median(times["off"])
+        ref = extra["off"]["outputs"]
+        rows = {}
+        for name in engines:
+            tps = statistics.median(times[name])
+            same = sum(a == b for a, b in zip(ref, extra[name]["outputs"]))
+            rows[name] = {"tokens_per_s": tps, "speedup": tps / base, "identical_outputs": f"{same}/{len(ref)}",
+                          "acceptance_rate": extra[name]["acceptance_rate"],
+                          "mean_acceptance_length": extra[name]["mean_acceptance_length"]}
+        results[wname] = {"num_prompts": len(ids), "output_len": out_len, "rows": rows}
+    return {"model": args.model, "k": args.k, "repeats": args.repeats, "workloads": results}
+
+
+def print_table(result: dict) -> None:
+    print(f"model {result['model']}, K={result['k']}, medians of {result['repeats']} interleaved runs")
+    print(f"{'workload':10} {'config':12} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'mean len':>8} {'identical':>9}")
+    for wname, w in result["workloads"].items():
+        for name, r in w["rows"].items():
+            acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+            mal = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
+            print(f"{wname:10} {name:12} {r['tokens_per_s']:8.2f} {r['speedup']:7.2f}x {acc:>7} {mal:>8} "
+                  f"{r['identical_outputs']:>9}")
+
+
+def cmd_workloads(args) -> int:
+    result = bench_workloads(args)
+    print_table(result)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def add_workloads_parser(bench_sub) -> None:
+    from specdec.cli import add_engine_args
+
+    p = bench_sub.add_parser("workloads", help="n-gram / suffix / auto speculation on grounded, open and batched work")
+    add_engine_args(p)
+    p.add_argument("--methods", nargs="+", default=["ngram", "suffix"], choices=["ngram", "suffix"])
+    p.add_argument("--workloads", nargs="+", default=["grounded", "open", "batch"],
+                   choices=["grounded", "open", "batch"])
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=cmd_workloads)
