@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 
 SPEC_METHODS = ("draft_model", "ngram", "suffix", "replay")
 MAX_SPEC_TOKENS = 16
+QUANTIZATION_METHODS = (None, "int8", "int8_dynamic")
 ATTENTION_BACKENDS = ("auto", "reference", "torch", "triton")
 
 
@@ -16,7 +17,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int | str = 5  # an int in 1..16, or "auto" (adaptive, up to max_num_speculative_tokens)
     max_num_speculative_tokens: int = 8  # the ceiling for "auto"
     dtype: str = "auto"  # the draft's own dtype ("auto": the target's)
-    quantization: str | None = None  # "int8": weight-only int8 for the draft
+    quantization: str | None = None  # "int8" (weight-only) or "int8_dynamic" (W8A8, CPU) for the draft
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     acceptance: float = 0.8  # "replay" (benchmark only): probability a proposed token is kept correct
@@ -35,8 +36,9 @@ class SpeculativeConfig:
                 )
         elif not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPEC_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be in 1..{MAX_SPEC_TOKENS} or 'auto', got {k!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"speculative_config.quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"speculative_config.quantization must be one of {QUANTIZATION_METHODS}, "
+                             f"got {self.quantization!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config needs 1 <= prompt_lookup_min ({self.prompt_lookup_min}) "
@@ -109,8 +111,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:

@@ -50,3 +50,16 @@ def test_rms_norm_fused_matches_reference():
     out, new_res = norm(x, res)
     torch.testing.assert_close(new_res, x + res)
     torch.testing.assert_close(out, norm.reference(x + res), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_dynamic_int8_linear_is_close_to_float(rows):
+    from specdec.layers.quantization import DynamicInt8Linear
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32, bias=True)
+    x = torch.randn(rows, 64)
+    out, ref = DynamicInt8Linear(lin)(x), lin(x)
+    # weights and activations both quantized to 8 bits: a few percent of the output scale
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+    assert not torch.equal(out, ref)
