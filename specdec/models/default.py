@@ -11,7 +11,8 @@ DEFAULT_NUM_SPEC_TOKENS = 5
 
 def default_engine_kwargs() -> tuple[str, dict]:
     if not (DEFAULT_DRAFT_DIR / "config.json").is_file():
-        raise ValueError(f"the embedded default draft is missing from {DEFAULT_DRAFT_DIR}; pass model=... explicitly")
+        # a checkout without the shipped draft still runs, with draft-free speculation
+        return DEFAULT_TARGET, {"speculative_config": {"method": "ngram", "num_speculative_tokens": "auto"}}
     return DEFAULT_TARGET, {
         "speculative_config": {
             "method": "draft_model", "model": str(DEFAULT_DRAFT_DIR),
