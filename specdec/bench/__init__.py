@@ -1,0 +1,1 @@
+"""Benchmarks (``specdec bench ...``): ratios measured side by side, next to the machine's roofline."""

@@ -6,7 +6,8 @@ from pathlib import Path
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 DEFAULT_DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "default_draft"
-DEFAULT_NUM_SPEC_TOKENS = 5
+DEFAULT_NUM_SPEC_TOKENS = "auto"  # adaptive up to DEFAULT_MAX_SPEC_TOKENS: never much slower than no speculation
+DEFAULT_MAX_SPEC_TOKENS = 5
 
 
 def default_engine_kwargs() -> tuple[str, dict]:
@@ -17,5 +18,6 @@ def default_engine_kwargs() -> tuple[str, dict]:
         "speculative_config": {
             "method": "draft_model", "model": str(DEFAULT_DRAFT_DIR),
             "num_speculative_tokens": DEFAULT_NUM_SPEC_TOKENS,
+            "max_num_speculative_tokens": DEFAULT_MAX_SPEC_TOKENS,
         }
     }

@@ -218,6 +218,9 @@ def generate_answers(teacher, tokenizer, prompts: list[tuple[str, str]], cfg, pa
     from tqdm.auto import tqdm
 
     done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if [r["prompt"] for r in done] != [p for _, p in prompts[:len(done)]]:
+        raise ValueError(f"{path} holds answers to other prompts (other --num-chat-prompts or --seed?); "
+                         f"pass another --work-dir")
     eos = teacher.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
@@ -265,11 +268,19 @@ def pack(docs: list[list[int]], seq_len: int, separator: int, seed: int) -> torc
     return torch.tensor(stream[:num_chunks * seq_len]).view(num_chunks, seq_len)
 
 
+CORPUS_FIELDS = ("sources", "num_chat_prompts", "max_new_tokens", "stdlib_tokens", "shakespeare_tokens",
+                 "num_eval_prompts", "seq_len", "gen_batch_size", "seed")
+
+
 def build_corpus(teacher, tokenizer, cfg, work: Path) -> dict:
-    """{"chunks": LongTensor [N, seq_len], "eval": [{"domain", "ids", "start", "greedy"}]}, cached."""
+    """{"chunks": LongTensor [N, seq_len], "eval": [{"domain", "ids", "start", "greedy"}]}, cached in
+    corpus.pt and rebuilt when a corpus setting changes."""
     path = work / "corpus.pt"
+    key = {name: getattr(cfg, name) for name in CORPUS_FIELDS}
     if path.exists():
-        return torch.load(path)
+        data = torch.load(path)
+        if data.get("key", key) == key:
+            return data   # else rebuild: generated answers are reused, teacher shards are checked by hash
     rng = random.Random(cfg.seed)
     docs: list[list[int]] = []
     eval_items: list[dict] = []
@@ -297,7 +308,7 @@ def build_corpus(teacher, tokenizer, cfg, work: Path) -> dict:
         eval_items += [{"domain": "shakespeare", "ids": ids, "start": 1} for ids in sample_tokens(
             tokenizer, shakespeare_texts(work / "downloads", heldout=True) * 4, 4 * eval_tokens, eval_tokens, rng)]
     separator = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    data = {"chunks": pack(docs, cfg.seq_len, separator, cfg.seed), "eval": eval_items}
+    data = {"chunks": pack(docs, cfg.seq_len, separator, cfg.seed), "eval": eval_items, "key": key}
     torch.save(data, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").replace(path)
     return data

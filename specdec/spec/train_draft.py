@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import math
 import os
@@ -55,6 +56,7 @@ class TrainDraftConfig:
     gen_batch_size: int = 64
     teacher_batch_size: int = 4
     top_k: int = 32
+    num_negatives: int = 4096         # 0: softmax over the whole vocab in training (see distill_loss)
     epochs: float = 4.0
     steps: int | None = None          # overrides epochs
     lr: float = 2e-3
@@ -193,22 +195,27 @@ def teacher_topk(teacher, input_ids: torch.Tensor, k: int):
     return ids.int().cpu(), values.cpu()
 
 
+def fingerprint(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
 def cache_teacher(teacher, chunks: torch.Tensor, cfg: TrainDraftConfig, shard_dir: Path):
     """Top-k teacher log-probs for every chunk, in shards so a killed run keeps its progress."""
     from tqdm.auto import tqdm
 
     shard_dir.mkdir(parents=True, exist_ok=True)
-    rows_per_shard = 16 * cfg.teacher_batch_size
+    rows_per_shard = 64  # fixed, so shards stay valid if --teacher-batch-size changes
     ids, logps = [], []
     bar = tqdm(total=len(chunks), desc="teacher top-k", unit="chunk", disable=not cfg.progress, mininterval=5)
     for shard, start in enumerate(range(0, len(chunks), rows_per_shard)):
         path = shard_dir / f"{shard:05d}.pt"
-        if path.exists():
-            part = torch.load(path)
-        else:
-            parts = [teacher_topk(teacher, chunks[s:s + cfg.teacher_batch_size], cfg.top_k)
-                     for s in range(start, min(start + rows_per_shard, len(chunks)), cfg.teacher_batch_size)]
-            part = {"ids": torch.cat([p[0] for p in parts]), "logp": torch.cat([p[1] for p in parts])}
+        rows = chunks[start:start + rows_per_shard]
+        key = (fingerprint(rows), cfg.top_k)        # a shard is reused only for the very same rows
+        part = torch.load(path) if path.exists() else None
+        if part is None or part.get("key") != key:
+            parts = [teacher_topk(teacher, rows[s:s + cfg.teacher_batch_size], cfg.top_k)
+                     for s in range(0, len(rows), cfg.teacher_batch_size)]
+            part = {"ids": torch.cat([p[0] for p in parts]), "logp": torch.cat([p[1] for p in parts]), "key": key}
             _save_atomic(part, path)
         ids.append(part["ids"])
         logps.append(part["logp"])
@@ -263,6 +270,26 @@ def evaluate(student, teacher, items: list[dict], k: int = 5) -> dict:
 
 # --------------------------------------------------------------------------- training
 
+def distill_loss(student, input_ids, topk_ids, topk_logp, num_negatives: int, generator) -> torch.Tensor:
+    """input_ids [b, T]; topk_ids / topk_logp [b, T, k]. With num_negatives > 0 the softmax runs
+    over the batch's teacher top-k tokens plus that many random ones rather than the whole vocab
+    (about 4x less work for a 49k vocab): the head and its softmax are ~85% of a step, and a token
+    outside every batch's top-k is one the teacher never ranks, which the negatives keep pushing down."""
+    device = input_ids.device
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        hidden = student.model(input_ids).last_hidden_state
+    hidden = hidden.float().flatten(0, 1)                                        # [b*T, H]
+    ids, logp = topk_ids.flatten(0, 1).long(), topk_logp.flatten(0, 1)           # [b*T, k]
+    weight = student.lm_head.weight                                              # [V, H]
+    if num_negatives > 0:
+        negatives = torch.randint(weight.shape[0], (num_negatives,), generator=generator).to(device)
+        vocab = torch.cat([ids.flatten(), negatives]).unique()                  # [V'] sorted
+        position = torch.full((weight.shape[0],), -1, dtype=torch.long, device=device)
+        position[vocab] = torch.arange(len(vocab), device=device)
+        weight, ids = weight[vocab], position[ids]                               # the gather's backward scatters
+    return FusedHeadTopKRestKL.apply(hidden, weight, ids, logp)
+
+
 def _lr_at(step: int, total: int, elapsed_s: float, cfg: TrainDraftConfig) -> float:
     """Linear warmup, then cosine to 10% over whichever budget (steps or --max-minutes) ends first."""
     if step < cfg.warmup_steps:
@@ -294,9 +321,15 @@ def train(student, chunks, topk_ids, topk_logp, cfg: TrainDraftConfig, save) -> 
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
                             lr=cfg.lr, betas=(0.9, 0.95))
     ckpt_path = cfg.work_path / "checkpoint.pt"
-    step, elapsed, log = 0, 0.0, []
+    step, elapsed, log, corpus_id = 0, 0.0, [], fingerprint(chunks)
     if ckpt_path.exists():
         state = torch.load(ckpt_path, map_location=device)
+        shapes = {name: tuple(t.shape) for name, t in state["model"].items()}
+        if shapes != {name: tuple(t.shape) for name, t in student.state_dict().items()}:
+            raise ValueError(f"{ckpt_path} is a checkpoint of a different draft architecture; "
+                             f"pass another --work-dir or the same --hidden-size/--num-layers/... as before")
+        if state.get("corpus", corpus_id) != corpus_id:
+            raise ValueError(f"{ckpt_path} was trained on another corpus; delete it to train again")
         student.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, elapsed, log = state["step"], state["elapsed_s"], state["log"]
@@ -306,11 +339,9 @@ def train(student, chunks, topk_ids, topk_logp, cfg: TrainDraftConfig, save) -> 
         idx = order[step]
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, total, elapsed, cfg)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            hidden = student.model(chunks[idx].to(device)).last_hidden_state
-        hidden = hidden.float().flatten(0, 1)                                    # [b*T, H]
-        loss = FusedHeadTopKRestKL.apply(hidden, student.lm_head.weight, topk_ids[idx].flatten(0, 1).long().to(device),
-                                         topk_logp[idx].flatten(0, 1).to(device))
+        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)   # resumable negatives
+        loss = distill_loss(student, chunks[idx].to(device), topk_ids[idx].to(device), topk_logp[idx].to(device),
+                            cfg.num_negatives, generator)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         opt.step()
@@ -326,7 +357,7 @@ def train(student, chunks, topk_ids, topk_logp, cfg: TrainDraftConfig, save) -> 
         if step % cfg.save_every == 0 or step == total or out_of_time:
             save(student)
             _save_atomic({"model": student.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                          "elapsed_s": elapsed, "log": log}, ckpt_path)
+                          "elapsed_s": elapsed, "log": log, "corpus": corpus_id}, ckpt_path)
         if out_of_time:
             break
     bar.close()
@@ -403,7 +434,8 @@ _FLAG_HELP = {
     "num_heads": "attention heads", "num_kv_heads": "key/value heads (GQA)",
     "intermediate_size": "MLP width", "seq_len": "tokens per training chunk", "batch_size": "chunks per step",
     "gen_batch_size": "prompts per generate() call", "teacher_batch_size": "chunks per teacher forward",
-    "top_k": "teacher log-probs kept per position", "epochs": "passes over the corpus",
+    "top_k": "teacher log-probs kept per position",
+    "num_negatives": "random extra tokens in the training softmax (0: the whole vocab)", "epochs": "passes over the corpus",
     "steps": "training steps (overrides --epochs)", "lr": "peak AdamW learning rate",
     "warmup_steps": "linear warmup steps", "save_every": "checkpoint + HF folder every N steps",
     "max_minutes": "training time budget: stop there (after a save), the LR decay ends there",

@@ -12,8 +12,8 @@ import torch
 
 from specdec.models.tiny import make_tiny_model
 from specdec.spec import draft_corpus
-from specdec.spec.train_draft import (FusedHeadTopKRestKL, TrainDraftConfig, config_from_args, register_cli,
-                                      simulated_acceptance_length, topk_rest_kl_rows, train_draft)
+from specdec.spec.train_draft import (FusedHeadTopKRestKL, TrainDraftConfig, config_from_args, distill_loss,
+                                      register_cli, simulated_acceptance_length, topk_rest_kl_rows, train_draft)
 
 
 def _reference_kl(hidden, weight, ids, logp):
@@ -42,6 +42,27 @@ def test_fused_loss_matches_reference_value_and_gradients():
     assert loss.item() == pytest.approx(ref.item(), rel=2e-2)
     assert torch.allclose(hidden.grad.double(), h64.grad, rtol=0.05, atol=0.05 * h64.grad.abs().max().item())
     assert torch.allclose(weight.grad.double(), w64.grad, rtol=0.05, atol=0.05 * w64.grad.abs().max().item())
+
+
+def test_negative_sampled_softmax_is_the_full_one_when_it_covers_the_vocab():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(2)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    student = LlamaForCausalLM(config)
+    input_ids = torch.randint(0, 8, (2, 6))                       # inputs use tokens 0..7 only
+    logp, ids = (torch.randn(2, 6, 64) * 2).log_softmax(-1).topk(4, -1)
+    full = distill_loss(student, input_ids, ids, logp, 0, torch.Generator().manual_seed(0))
+    covering = distill_loss(student, input_ids, ids, logp, 5000, torch.Generator().manual_seed(0))
+    assert covering.item() == pytest.approx(full.item(), rel=1e-5)
+    sampled = distill_loss(student, input_ids, ids, logp, 1, torch.Generator().manual_seed(0))
+    sampled.backward()
+    grad_rows = student.model.embed_tokens.weight.grad.abs().sum(-1) > 0
+    allowed = torch.zeros(64, dtype=torch.bool)
+    allowed[:8] = True                                           # input rows
+    allowed[ids.flatten()] = True                                # candidate rows (+ one random negative)
+    assert (grad_rows & ~allowed).sum() <= 1 and grad_rows[ids.flatten()].all()
 
 
 def test_rest_bucket_kl_is_exact_kl_when_k_is_the_vocab():
@@ -151,6 +172,20 @@ def test_killed_run_resumes_to_the_same_weights(trained, target_dir, tmp_path):
     assert resumed["step"] == 16 and [r["step"] for r in resumed["log"]] == list(range(1, 17))
     for name, value in reference["model"].items():
         assert torch.allclose(resumed["model"][name], value, atol=1e-6), name
+
+
+def test_reusing_a_work_dir_with_another_corpus_or_architecture_is_refused(trained, target_dir, tmp_path):
+    cfg, root, _ = trained
+    shutil.copytree(root / "work", tmp_path / "work")
+    with pytest.raises(ValueError, match="answers to other prompts"):
+        train_draft(_config(target_dir, tmp_path, num_chat_prompts=9))
+    with pytest.raises(ValueError, match="another corpus"):      # corpus rebuilt, teacher redone, then refused
+        train_draft(_config(target_dir, tmp_path, stdlib_tokens=12000))
+    (tmp_path / "work" / "checkpoint.pt").unlink()
+    shutil.copy(root / "work" / "corpus.pt", tmp_path / "work" / "corpus.pt")
+    with pytest.raises(ValueError, match="different draft architecture"):
+        shutil.copy(root / "work" / "checkpoint.pt", tmp_path / "work" / "checkpoint.pt")
+        train_draft(_config(target_dir, tmp_path, hidden_size=16))
 
 
 def test_generation_resumes_from_the_jsonl(target_dir, tmp_path):

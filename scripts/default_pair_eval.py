@@ -1,0 +1,66 @@
+"""Acceptance and speedup of the embedded default pair on held-out chat prompts (greedy, K=5).
+
+The prompts are not in the distillation corpus (docs/DRAFT.md lists what is). Plain and
+speculative engines are timed alternately in one process; medians over --repeats.
+Run: python scripts/default_pair_eval.py [--threads N] [--repeats R] [--out FILE]
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.models.default import DEFAULT_TARGET, default_engine_kwargs
+
+HELD_OUT = [
+    "Write a Python function that merges two sorted lists.",
+    "Explain the difference between a process and a thread.",
+    "Give me three tips for writing clear commit messages.",
+    "Write a haiku about autumn rain.",
+    "How do I reverse a string in JavaScript?",
+    "What is the capital of Australia, and why is it not Sydney?",
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--out", default="bench_results/default_pair_eval.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _, spec_kwargs = default_engine_kwargs()
+    plain = LLM(model=DEFAULT_TARGET, max_model_len=1024)
+    spec = LLM(model=DEFAULT_TARGET, max_model_len=1024, **spec_kwargs)
+    prompts = [plain.apply_chat_template([{"role": "user", "content": p}]) for p in HELD_OUT]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    rates = {"plain": [], "spec": []}
+    outs = {}
+    for _ in range(args.repeats):
+        for name, llm in (("plain", plain), ("spec", spec)):
+            t = time.perf_counter()
+            res = [
+                llm.generate([p], params, use_tqdm=False)[0] for p in prompts]  # batch 1, like a chat user
+            rates[name].append(sum(len(r.outputs[0].token_ids) for r in res) / (time.perf_counter() - t))
+            outs[name] = [r.outputs[0].token_ids for r in res]
+    m = spec.get_metrics()
+    agree = sum(a == b for a, b in zip(outs["plain"], outs["spec"]))
+    result = {
+        "target": DEFAULT_TARGET, "draft": spec_kwargs["speculative_config"], "prompts": HELD_OUT,
+        "max_tokens": args.max_tokens, "repeats": args.repeats, "threads": torch.get_num_threads(),
+        "plain_tokens_per_s": statistics.median(rates["plain"]), "spec_tokens_per_s": statistics.median(rates["spec"]),
+        "speedup": statistics.median(s / p for s, p in zip(rates["spec"], rates["plain"])),
+        "acceptance_rate": m["acceptance_rate"], "mean_acceptance_length": m["mean_acceptance_length"],
+        "acceptance_per_position": m["acceptance_per_position"], "identical_outputs": f"{agree}/{len(prompts)}",
+    }
+    print(json.dumps({k: v for k, v in result.items() if k not in ("prompts", "draft")}, indent=1))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
