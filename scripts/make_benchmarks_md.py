@@ -23,6 +23,7 @@ TITLES = {
     "sweep": "Controlled acceptance (replay): efficiency over acceptance x K",
     "compare": "specdec vs Hugging Face transformers (same checkpoint, same prompts, same run)",
     "serve": "HTTP serving load test",
+    "other": "Other recorded results",
 }
 
 PREAMBLE = """# specdec benchmarks
@@ -54,7 +55,7 @@ def load_results(folder: Path) -> list[tuple[Path, dict]]:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise SystemExit(f"{path}: not valid JSON: {e}") from None
-        data.setdefault("kind", "serve" if "runs" in data else "unknown")
+        data.setdefault("kind", "serve" if "runs" in data else "other")
         out.append((path, data))
     rank = {k: i for i, k in enumerate(KIND_ORDER)}
     return sorted(out, key=lambda item: (rank.get(item[1]["kind"], len(rank)), item[0].name))
@@ -101,14 +102,33 @@ def render_serve(data: dict) -> str:
     return "\n\n".join(body)
 
 
+def render_generic(data: dict) -> str:
+    """A result of a kind this script does not know: its scalar fields, and tables of nested records."""
+    from specdec.bench.report import format_table
+
+    scalars = [[k, v if not isinstance(v, dict) else json.dumps(v)] for k, v in data.items()
+               if k != "kind" and not isinstance(v, list) and not (isinstance(v, dict) and
+                                                                   all(isinstance(x, dict) for x in v.values()))]
+    blocks = [format_table(["field", "value"], scalars)] if scalars else []
+    for key, value in data.items():  # e.g. {"by_k": {"1": {...}, "2": {...}}}
+        if isinstance(value, dict) and value and all(isinstance(x, dict) for x in value.values()):
+            cols = [c for c in next(iter(value.values())) if not isinstance(next(iter(value.values()))[c], (list, dict))]
+            blocks.append(f"{key}:\n\n" + format_table([key] + cols, [[k] + [r.get(c) for c in cols]
+                                                                      for k, r in value.items()]))
+    return "\n\n".join(blocks) or "_(no tabular fields)_"
+
+
 def render(data: dict) -> str:
     kind = data["kind"]
     if kind == "serve":
         return render_serve(data)
+    name = f"specdec.bench.{kind}"
     try:
-        module = importlib.import_module(f"specdec.bench.{kind}")
-    except ModuleNotFoundError:
-        return "```json\n" + json.dumps(data, indent=2)[:4000] + "\n```"
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:  # the renderer exists but cannot be imported: say why, loudly
+            raise
+        return render_generic(data)
     return module.render(data)
 
 

@@ -11,7 +11,7 @@ from specdec.bench import driver
 from specdec.bench.cli import add_common_args, engine_args, has_speculation
 from specdec.bench.leviathan import AcceptanceCounts, leviathan_bound
 from specdec.bench.report import format_table, median, result_header, write_json
-from specdec.bench.roofline import engine_roofline, measure_bandwidth, paired_fraction
+from specdec.bench.roofline import engine_roofline, measure_bandwidth, measure_matmul_flops, paired_fraction
 
 
 def add_parser(sub):
@@ -94,8 +94,10 @@ def measure(args) -> dict:
             driver.register_references(llm, prompts, base_runs[-1].token_ids)
             spec_runs.append(driver.timed_generate(llm, prompts, params))
     bandwidth = median(bandwidths)
-    roof = engine_roofline(base, bandwidth, args.input_len + args.output_len / 2, args.batch_size)
+    flops = measure_matmul_flops(base.engine.dtype, base.engine.device)
+    roof = engine_roofline(base, bandwidth, args.input_len + args.output_len / 2, args.batch_size, flops)
     baseline = summarize_runs(base_runs)
+    base_rates = [r.decode_tokens_per_s for r in base_runs]
     result = result_header(args, "latency", bandwidth, base.engine.device)
     result.update(
         config={"model": base.engine.model_path, "dtype": str(base.engine.dtype).removeprefix("torch."),
@@ -104,7 +106,8 @@ def measure(args) -> dict:
                 "speculative_config": args.speculative_config or args.speculative_model},
         roofline={**roof.as_dict(), "bandwidth_gb_per_s_per_iter": [b / 1e9 for b in bandwidths]},
         baseline=baseline,
-        roofline_fraction=paired_fraction([r.decode_tokens_per_s for r in base_runs], bandwidths, roof),
+        roofline_fraction=paired_fraction(base_rates, bandwidths, roof),
+        attainable_fraction=paired_fraction(base_rates, bandwidths, roof, attainable=True),
         speculative=None,
     )
     if speculative:
@@ -119,13 +122,23 @@ def measure(args) -> dict:
     return result
 
 
+def compute_roof_text(roof: dict, attainable_fraction: float | None) -> str:
+    if not roof.get("compute_tokens_per_s"):
+        return ""
+    text = (f"; compute {roof['flops_per_s'] / 1e9:.0f} GFLOP/s -> {roof['compute_tokens_per_s']:.1f} tokens/s; "
+            f"bound by {roof['bound_by']}")
+    if roof["bound_by"] == "compute" and attainable_fraction is not None:
+        text += f" (measured = {attainable_fraction:.2f} of the compute roof)"
+    return text
+
+
 def render(result: dict) -> str:
     cfg, roof, base, spec = result["config"], result["roofline"], result["baseline"], result["speculative"]
     lines = [
         f"model {cfg['model']} ({cfg['dtype']}), batch {cfg['batch_size']}, input {cfg['input_len']}, "
         f"output {cfg['output_len']}, {cfg['num_iters']} iterations (medians)",
         f"roofline: bandwidth {roof['bandwidth_gb_per_s']:.1f} GB/s, {roof['gb_per_step']:.3f} GB/step "
-        f"-> {roof['tokens_per_s']:.2f} tokens/s",
+        f"-> {roof['tokens_per_s']:.2f} tokens/s" + compute_roof_text(roof, result.get("attainable_fraction")),
     ]
     headers = ["engine", "decode tok/s", "roofline frac", "prefill ms", "step ms", "accept rate", "alpha",
                "mean acc len", "c", "bound", "speedup", "efficiency"]

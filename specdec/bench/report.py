@@ -21,16 +21,19 @@ def median(values) -> float:
 
 
 def command_line(args) -> str:
-    """Rebuild ``specdec bench ...`` from the parsed arguments: every option not at its default."""
+    """Rebuild ``specdec bench ...`` from the parsed arguments: every benchmark option (so the
+    sizes show even at their defaults) and every engine option not at its default."""
     parser = getattr(args, "bench_parser", None)
     words = ["specdec", "bench", args.bench_command]
     if parser is None:
         return " ".join(words)
-    for action in parser._actions:  # argparse keeps no public list of a parser's options
+    # argparse keeps no public list of a parser's options or groups
+    engine_dests = {a.dest for g in parser._action_groups if g.title == "engine" for a in g._group_actions}
+    for action in parser._actions:
         if not action.option_strings or action.dest in ("help",):
             continue
         value = getattr(args, action.dest, None)
-        if value == action.default or value is None:
+        if value is None or (value == action.default and (action.dest in engine_dests or action.nargs == 0)):
             continue
         flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
         if action.nargs == 0:  # store_true / store_false

@@ -7,7 +7,9 @@ only the looked-up rows are read) plus the KV cache of every sequence in the bat
 
 and ``measured / roofline`` says how much of the machine the engine uses. Bandwidth is a
 large tensor copy, counted as bytes read + bytes written, best of several (the convention
-in docs BENCHMARKING.md).
+in docs BENCHMARKING.md). A large batch eventually runs out of arithmetic instead: the
+compute roof is the measured matmul FLOP/s over the FLOPs of one token (2 per weight plus
+attention), and the *attainable* rate is the lower of the two roofs.
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ class WeightBytes:
     total: int  # every parameter and buffer, shared storage counted once
     read_per_step: int  # what one decode step streams: everything except gathered tables
     gathered: int  # embedding / rotary tables: only the looked-up rows are read
+    streamed_matrix_elements: int = 0  # weights of the matmuls: 2 FLOPs each per token
 
 
 def weight_bytes(model: nn.Module) -> WeightBytes:
@@ -77,15 +80,33 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
                 continue
             entry = owners.setdefault(_key(t), (t, set()))
             entry[1].add(kind)
-    total = read = gathered = 0
+    total = read = gathered = elements = 0
     for t, kinds in owners.values():
         n = tensor_nbytes(t)
         total += n
         if "stream" in kinds:
             read += n
+            elements += t.numel() if t.dim() >= 2 else 0
         else:
             gathered += n
-    return WeightBytes(total, read, gathered)
+    return WeightBytes(total, read, gathered, elements)
+
+
+def measure_matmul_flops(dtype: torch.dtype, device: torch.device | str = "cpu", rows: int = 512, size: int = 2048,
+                         repeats: int = 5) -> float:
+    """FLOP/s of a large matmul in the model's dtype, best of ``repeats``: the compute roof."""
+    device = torch.device(device)
+    a = torch.randn(rows, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * rows * size * size / best
 
 
 def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
@@ -107,6 +128,16 @@ class Roofline:
     batch_size: int
     bytes_per_step: float
     tokens_per_s: float  # batch_size * bandwidth / bytes_per_step: plain decoding's limit
+    flops_per_s: float | None = None  # measured matmul rate (None: not measured)
+    flops_per_token: float | None = None
+    compute_tokens_per_s: float | None = None  # flops_per_s / flops_per_token
+
+    @property
+    def attainable_tokens_per_s(self) -> float:
+        """The lower roof: memory for small batches, arithmetic for large ones."""
+        if self.compute_tokens_per_s is None:
+            return self.tokens_per_s
+        return min(self.tokens_per_s, self.compute_tokens_per_s)
 
     def fraction(self, measured_tokens_per_s: float) -> float:
         return measured_tokens_per_s / self.tokens_per_s
@@ -115,29 +146,49 @@ class Roofline:
         d = asdict(self)
         d["bandwidth_gb_per_s"] = self.bandwidth_bytes_per_s / 1e9
         d["gb_per_step"] = self.bytes_per_step / 1e9
+        d["attainable_tokens_per_s"] = self.attainable_tokens_per_s
+        d["bound_by"] = "memory" if self.attainable_tokens_per_s == self.tokens_per_s else "compute"
         return d
 
 
 def roofline(bandwidth: float, weights: WeightBytes, kv_per_token: int, mean_context_len: float,
-             batch_size: int = 1) -> Roofline:
+             batch_size: int = 1, flops_per_s: float | None = None, attention_flops_per_context_token: int = 0
+             ) -> Roofline:
     step = weights.read_per_step + batch_size * kv_per_token * mean_context_len
+    flops_per_token = 2 * weights.streamed_matrix_elements + attention_flops_per_context_token * mean_context_len
+    compute = flops_per_s / flops_per_token if flops_per_s and flops_per_token else None
     return Roofline(bandwidth, weights.total, weights.read_per_step, kv_per_token, mean_context_len, batch_size,
-                    step, batch_size * bandwidth / step)
+                    step, batch_size * bandwidth / step, flops_per_s, flops_per_token or None, compute)
 
 
-def paired_fraction(tokens_per_s: list[float], bandwidths: list[float], roof: Roofline) -> float:
+def paired_fraction(tokens_per_s: list[float], bandwidths: list[float], roof: Roofline,
+                    attainable: bool = False) -> float:
     """Median over repetitions of measured / roofline, each repetition against the bandwidth
-    measured just before it (on a shared machine both move with the load)."""
+    measured just before it (on a shared machine both move with the load). ``attainable``:
+    against the lower of that memory roof and the compute roof."""
     import statistics
 
-    fractions = [tps / (roof.tokens_per_s * bw / roof.bandwidth_bytes_per_s)
-                 for tps, bw in zip(tokens_per_s, bandwidths)]
+    fractions = []
+    for tps, bw in zip(tokens_per_s, bandwidths):
+        roof_now = roof.tokens_per_s * bw / roof.bandwidth_bytes_per_s
+        if attainable and roof.compute_tokens_per_s is not None:
+            roof_now = min(roof_now, roof.compute_tokens_per_s)
+        fractions.append(tps / roof_now)
     return statistics.median(fractions)
 
 
-def engine_roofline(llm, bandwidth: float, mean_context_len: float, batch_size: int = 1) -> Roofline:
+def attention_flops_per_context_token(model_config) -> int:
+    """Q.K and P.V: 2 x 2 FLOPs per query dimension, per layer, per token of context."""
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    return 4 * model_config.num_hidden_layers * heads * head_dim
+
+
+def engine_roofline(llm, bandwidth: float, mean_context_len: float, batch_size: int = 1,
+                    flops_per_s: float | None = None) -> Roofline:
     """The roofline of an ``LLM``'s target model as loaded (dtype, packing, quantization)."""
     engine = llm.engine
     weights = weight_bytes(engine.runner.model)
     kv = kv_bytes_per_token(engine.model_config, engine.runner.dtype)
-    return roofline(bandwidth, weights, kv, mean_context_len, batch_size)
+    return roofline(bandwidth, weights, kv, mean_context_len, batch_size, flops_per_s,
+                    attention_flops_per_context_token(engine.model_config))

@@ -11,7 +11,7 @@ from specdec.bench.cli import add_common_args, engine_args, has_speculation
 from specdec.bench.latency import speculation_figures, summarize_runs
 from specdec.bench.report import format_table, result_header, write_json
 from specdec.bench.report import median
-from specdec.bench.roofline import engine_roofline, measure_bandwidth, paired_fraction
+from specdec.bench.roofline import engine_roofline, measure_bandwidth, measure_matmul_flops, paired_fraction
 
 
 def add_parser(sub):
@@ -48,6 +48,7 @@ def measure(args) -> dict:
     driver.warmup(base)
     if speculative:
         driver.warmup(llm)
+    flops = measure_matmul_flops(base.engine.dtype, base.engine.device)
     rows, all_bandwidths = [], []
     for b in args.batch_sizes:
         for engine_llm in {id(base): base, id(llm): llm}.values():
@@ -62,11 +63,13 @@ def measure(args) -> dict:
             if speculative:
                 driver.register_references(llm, prompts, base_runs[-1].token_ids)
                 spec_runs.append(driver.timed_generate(llm, prompts, params))
-        roof = engine_roofline(base, median(bandwidths), args.input_len + args.output_len / 2, b)
+        roof = engine_roofline(base, median(bandwidths), args.input_len + args.output_len / 2, b, flops)
         row = {"batch_size": b, "num_requests": b * args.waves,
                "roofline": {**roof.as_dict(), "bandwidth_gb_per_s_per_iter": [x / 1e9 for x in bandwidths]},
                "baseline": summarize_runs(base_runs)}
-        row["roofline_fraction"] = paired_fraction([r.decode_tokens_per_s for r in base_runs], bandwidths, roof)
+        base_rates = [r.decode_tokens_per_s for r in base_runs]
+        row["roofline_fraction"] = paired_fraction(base_rates, bandwidths, roof)
+        row["attainable_fraction"] = paired_fraction(base_rates, bandwidths, roof, attainable=True)
         if speculative:
             spec = summarize_runs(spec_runs)
             spec.update(speculation_figures(llm, base_runs, spec_runs, cost))
@@ -91,7 +94,8 @@ def render(result: dict) -> str:
     cfg = result["config"]
     lines = [f"model {cfg['model']} ({cfg['dtype']}), input {cfg['input_len']}, output {cfg['output_len']}, "
              f"{cfg['num_iters']} iterations (medians), bandwidth {result['machine']['bandwidth_gb_per_s']:.1f} GB/s"]
-    headers = ["batch", "decode tok/s", "total tok/s", "roofline tok/s", "roofline frac", "step ms", "prefill s"]
+    headers = ["batch", "decode tok/s", "total tok/s", "roofline tok/s", "roofline frac", "compute roof tok/s",
+               "attainable frac", "step ms", "prefill s"]
     speculative = any("speculative" in r for r in result["rows"])
     if speculative:
         headers += ["spec decode tok/s", "alpha", "speedup", "efficiency"]
@@ -99,7 +103,8 @@ def render(result: dict) -> str:
     for r in result["rows"]:
         base = r["baseline"]
         row = [r["batch_size"], base["decode_tokens_per_s"], base["total_tokens_per_s"], r["roofline"]["tokens_per_s"],
-               r["roofline_fraction"], base["decode_step_ms"], base["prefill_s"]]
+               r["roofline_fraction"], r["roofline"].get("compute_tokens_per_s"), r.get("attainable_fraction"),
+               base["decode_step_ms"], base["prefill_s"]]
         if speculative:
             s = r["speculative"]
             row += [s["decode_tokens_per_s"], s["acceptance"]["alpha"], s["speedup"], s["efficiency"]]

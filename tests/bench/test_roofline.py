@@ -89,3 +89,23 @@ def test_paired_fraction_scales_the_roofline_with_each_repetitions_bandwidth():
     assert r.tokens_per_s == pytest.approx(10.0)
     # a busy repetition: half the bandwidth and half the speed is still the same fraction
     assert paired_fraction([8.0, 4.0, 9.0], [20e9, 10e9, 20e9], r) == pytest.approx(0.8)
+
+
+def test_compute_roof_takes_over_for_large_batches():
+    weights = WeightBytes(total=2_000_000_000, read_per_step=2_000_000_000, gathered=0,
+                          streamed_matrix_elements=1_000_000_000)
+    # 2 GFLOP per token (+ attention 1e6 FLOPs per context token x 100) at 200 GFLOP/s: ~98 tokens/s
+    small = roofline(20e9, weights, kv_per_token=0, mean_context_len=100, batch_size=1, flops_per_s=200e9,
+                     attention_flops_per_context_token=1_000_000)
+    assert small.flops_per_token == 2e9 + 1e8
+    assert small.compute_tokens_per_s == pytest.approx(200e9 / 2.1e9)
+    assert small.attainable_tokens_per_s == pytest.approx(10.0) and small.as_dict()["bound_by"] == "memory"
+    big = roofline(20e9, weights, 0, 100, batch_size=32, flops_per_s=200e9, attention_flops_per_context_token=1_000_000)
+    assert big.tokens_per_s == pytest.approx(320.0)
+    assert big.attainable_tokens_per_s == pytest.approx(200e9 / 2.1e9) and big.as_dict()["bound_by"] == "compute"
+    assert paired_fraction([47.6], [20e9], big, attainable=True) == pytest.approx(47.6 / (200e9 / 2.1e9))
+
+
+def test_streamed_matrix_elements_count_matmul_weights_only():
+    w = weight_bytes(Toy(tied=False))
+    assert w.streamed_matrix_elements == 16 * 32 + 16 * 100  # proj and lm_head weights; no bias, no embedding
