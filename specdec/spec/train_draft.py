@@ -57,11 +57,11 @@ class TrainDraftConfig:
     teacher_batch_size: int = 4
     top_k: int = 32
     num_negatives: int = 4096         # 0: softmax over the whole vocab in training (see distill_loss)
-    epochs: float = 4.0
+    epochs: float = 16.0
     steps: int | None = None          # overrides epochs
-    lr: float = 2e-3
+    lr: float = 4e-3
     warmup_steps: int = 30
-    save_every: int = 50
+    save_every: int = 200
     max_minutes: float | None = None  # training time budget: stop (after a save) and end the LR decay there
     device: str = "auto"
     num_threads: int | None = None    # CPU threads (torch default: all cores)
