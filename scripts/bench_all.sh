@@ -20,6 +20,7 @@ DRAFT=${DRAFT:-/tmp/llama1b-draft}
 OUT=${OUT:-bench_results}
 PLOTS=${PLOTS:-/tmp/specdec_plots}  # PNGs stay out of the repository; the JSON is the record
 SPECDEC=${SPECDEC:-specdec}
+PYTHON=${PYTHON:-python}  # the project's venv python (make_benchmarks_md.py imports specdec)
 ONLY=${1:-all}
 mkdir -p "$OUT" "$PLOTS"
 
@@ -62,4 +63,4 @@ if want compare; then
         --output-json "$OUT/compare_llama1b.json" --plot "$PLOTS/compare_llama1b.png"
 fi
 
-python scripts/make_benchmarks_md.py
+$PYTHON scripts/make_benchmarks_md.py

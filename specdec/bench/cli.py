@@ -42,7 +42,10 @@ def engine_args(args, speculative: bool = True, **overrides):
 
 
 def has_speculation(args) -> bool:
-    return bool(args.speculative_config or args.speculative_model) and not args.no_speculation
+    """A speculative config or draft was given, or no --model: the embedded default pair speculates."""
+    if args.no_speculation:
+        return False
+    return bool(args.speculative_config or args.speculative_model or args.model is None)
 
 
 def register_cli(subparsers) -> None:

@@ -152,6 +152,7 @@ def render(result: dict) -> str:
                      spec["leviathan_bound"], spec["speedup"], spec["efficiency"]])
     lines.append(format_table(headers, rows))
     if spec and "greedy_agreement" in spec:
-        lines.append(f"greedy outputs identical to no-speculation: {spec['greedy_agreement']['identical_fraction']:.2f} "
-                     f"of sequences (mean prefix agreement {spec['greedy_agreement']['mean_prefix_agreement']:.3f})")
+        agree = spec["greedy_agreement"]
+        lines.append(f"greedy outputs identical to no-speculation: {agree['identical_fraction']:.2f} "
+                     f"of sequences (mean prefix agreement {agree['mean_prefix_agreement']:.3f})")
     return "\n\n".join(lines)

@@ -61,7 +61,11 @@ def plot_throughput(result: dict, path: str) -> None:
     ax.plot(bs, [r["baseline"]["decode_tokens_per_s"] for r in rows], "o-", label="decode, no speculation")
     if all("speculative" in r for r in rows):
         ax.plot(bs, [r["speculative"]["decode_tokens_per_s"] for r in rows], "s-", label="decode, speculative")
-    ax.plot(bs, [r["roofline"]["tokens_per_s"] for r in rows], "r--", label="roofline")
+    ax.plot(bs, [r["roofline"]["tokens_per_s"] for r in rows], "r--", label="memory roofline")
+    if all(r["roofline"].get("compute_tokens_per_s") for r in rows):
+        ax.plot(bs, [r["roofline"]["compute_tokens_per_s"] for r in rows], "k:", label="compute roof")
+        ax.set_ylim(0, 1.3 * max(max(r["roofline"]["attainable_tokens_per_s"] for r in rows),
+                                 max(r["baseline"]["decode_tokens_per_s"] for r in rows)))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("tokens/s")

@@ -93,8 +93,9 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
 
 
 def measure_matmul_flops(dtype: torch.dtype, device: torch.device | str = "cpu", rows: int = 512, size: int = 2048,
-                         repeats: int = 5) -> float:
-    """FLOP/s of a large matmul in the model's dtype, best of ``repeats``: the compute roof."""
+                         repeats: int = 10) -> float:
+    """FLOP/s of a large matmul in the model's dtype, best of ``repeats`` (each ~20-40 ms on a
+    2-core CPU, so the best one likely ran without a neighbour on the cores): the compute roof."""
     device = torch.device(device)
     a = torch.randn(rows, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)

@@ -1,6 +1,6 @@
 """``specdec train-draft``: distil a small Llama draft from a target's own next-token distributions.
 
-Four phases; each caches its result under ``--work-dir`` (default ``OUT/../.OUT-train``), so
+Four phases; each caches its result under ``--work-dir`` (default: ``.NAME-train`` next to OUT), so
 re-running the same command resumes where it stopped:
 
 1. corpus  ``corpus.pt``     the target's own answers to templated chat and code prompts (what
@@ -9,7 +9,8 @@ re-running the same command resumes where it stopped:
 2. teacher ``teacher/*.pt``  one bf16 forward of the target per chunk; keeps its top-k log-probs
    per position (the target is the cost; this way each epoch does not pay for it again).
 3. train   ``checkpoint.pt`` student = Llama with tied embeddings initialised from the target's
-   by PCA; loss = KL(p || q) over the teacher's top-k plus one bucket for the rest of the vocab.
+   by PCA; loss = KL(p || q) over the teacher's top-k plus one bucket for the rest of the vocab,
+   with the student's softmax over the batch's top-k tokens plus random negatives (``distill_loss``).
 4. eval    ``eval.json``     held-out prompts, not in the corpus: exact KL, top-1 agreement
    (= per-token acceptance rate of greedy speculation) and simulated acceptance length at K=5.
 
@@ -98,7 +99,8 @@ class TrainDraftConfig:
 def topk_rest_kl_rows(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor):
     """Per-row KL(p || q) over k+1 categories (the teacher's top-k tokens and "the rest"), and
     dKL/dlogits: q - p on the top-k, q * (1 - p_rest / q_rest) elsewhere (the rest's target mass
-    is spread like the student's own tail). logits [n, V]; topk_ids [n, k]; topk_logp [n, k]."""
+    is spread like the student's own tail). logits [n, V] (overwritten when already fp32);
+    topk_ids [n, k]; topk_logp [n, k]."""
     logq = logits.float()
     logq -= torch.logsumexp(logq, -1, keepdim=True)
     logq_k = logq.gather(-1, topk_ids)                                 # [n, k]

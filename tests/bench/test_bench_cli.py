@@ -123,7 +123,8 @@ def test_throughput_rows_per_batch_size(llama_path, tmp_path):
 
 def test_compare_outputs_identical_to_transformers_in_float32(llama_path, noisy_draft_path, tmp_path):
     run_cli(["bench", "compare", "--model", llama_path, *SMALL, "--num-prompts", "2", "--draft-model",
-             noisy_draft_path, "--k", "3", "--prompt-lookup-num-tokens", "4", "--output-json", str(tmp_path / "c.json")])
+             noisy_draft_path, "--k", "3", "--prompt-lookup-num-tokens", "4",
+             "--output-json", str(tmp_path / "c.json")])
     rows = json.loads((tmp_path / "c.json").read_text())["rows"]
     names = [r["system"] for r in rows]
     assert names[0] == "transformers generate" and len(names) == 7  # incl. the int8 draft (CPU)
@@ -133,14 +134,13 @@ def test_compare_outputs_identical_to_transformers_in_float32(llama_path, noisy_
 
 
 def test_acceptance_tap_sees_every_draft(llama_path):
-    from specdec import LLM
+    from specdec import LLM, SamplingParams
 
     llm = LLM(llama_path, dtype="float32", max_model_len=128,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     before = llm.get_metrics()
     prompts = make_prompts(llm, "text", 2, 24, seed=0)
-    run = timed_generate(llm, prompts, __import__("specdec").SamplingParams(temperature=0, max_tokens=16,
-                                                                             ignore_eos=True))
+    run = timed_generate(llm, prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     after = llm.get_metrics()
     assert run.acceptance.num_drafts == after["num_drafts"] - before["num_drafts"]
     assert run.acceptance.num_draft_tokens == after["num_draft_tokens"] - before["num_draft_tokens"]
