@@ -76,19 +76,19 @@ def test_clients_that_disconnect_are_aborted_and_free_their_blocks(server):
                     break  # leaving the block closes the connection mid-stream
         return seen
 
-    async def drop_plain(i: int) -> None:
-        async with httpx.AsyncClient(base_url=server.url, timeout=0.3) as client:
-            try:
-                await client.post("/v1/completions", json=body(i, **long))
-            except httpx.TimeoutException:
-                pass  # the client gives up and closes its connection
+    async def hold_plain(client: httpx.AsyncClient, i: int) -> None:
+        await client.post("/v1/completions", json=body(i, **long))  # cancelled long before it ends
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-            streams = [drop_stream(client, i) for i in range(6)]
-            plains = [drop_plain(i) for i in range(4)]
-            # while the batch is busy, the engine really holds blocks for them
-            results = await asyncio.gather(*streams, *plains)
+            plains = [asyncio.create_task(hold_plain(client, i)) for i in range(4)]
+            # once every stream has seen 3 tokens the batch is busy and the engine really holds
+            # blocks for all ten; dropping the plain requests then (not after a wall-clock timeout,
+            # which a fast machine can outlive) closes their connections mid-generation
+            results = await asyncio.gather(*(drop_stream(client, i) for i in range(6)))
+            for task in plains:
+                task.cancel()
+            await asyncio.gather(*plains, return_exceptions=True)
         return results
 
     results = asyncio.run(main())
