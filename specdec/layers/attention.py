@@ -106,7 +106,13 @@ def _grouped_attention(
     scale: float,
 ) -> torch.Tensor:  # [R * Q, H, D]
     """matmul -> float32 softmax -> matmul, with each KV head serving its query group directly
-    (no repeated K/V). On CPU this is 3-30x faster than SDPA for decode-shaped queries in bf16."""
+    (no repeated K/V). On CPU this is 3-30x faster than SDPA for decode-shaped queries in bf16,
+    and the matmuls run in float32 there: CPU bf16 batched matmuls of these small shapes take
+    about twice as long as float32 ones (measured 17-19 us vs 9 us at 8 x 64 x 200), more than
+    the conversion of the gathered K/V costs."""
+    out_dtype = q.dtype
+    if q.device.type == "cpu" and q.dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
     num_reqs, q_len, num_heads, head_dim = q.shape
     num_kv_heads, seq_len = k.shape[2], k.shape[1]
     group = num_heads // num_kv_heads
@@ -120,7 +126,7 @@ def _grouped_attention(
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [R, Hkv, G*Q, D]
     out = out.view(num_reqs, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(num_reqs * q_len, num_heads, head_dim)
+    return out.reshape(num_reqs * q_len, num_heads, head_dim).to(out_dtype)
 
 
 def paged_attention_torch(
@@ -151,9 +157,9 @@ def paged_attention_torch(
     q_len = q_lens[0]
     max_len = max(meta.seq_lens_cpu)
     num_blocks = -(-max_len // bs)
-    table = meta.block_tables[:, :num_blocks]  # [R, nb]
-    k = kv_cache[0][table].view(num_reqs, num_blocks * bs, num_kv_heads, head_dim)[:, :max_len]
-    v = kv_cache[1][table].view(num_reqs, num_blocks * bs, num_kv_heads, head_dim)[:, :max_len]
+    table = meta.block_tables[:, :num_blocks].reshape(-1)  # [R * nb]; index_select: ~3x cheaper than [table]
+    k = kv_cache[0].index_select(0, table).view(num_reqs, num_blocks * bs, num_kv_heads, head_dim)[:, :max_len]
+    v = kv_cache[1].index_select(0, table).view(num_reqs, num_blocks * bs, num_kv_heads, head_dim)[:, :max_len]
     mask = None
     if q_len > 1 or min(meta.seq_lens_cpu) != max_len:
         # row j of request r sees keys <= seq_len[r] - q_len + j (bottom-right causal, padding hidden)

@@ -50,22 +50,21 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
         self.cos, self.sin = freqs.cos().to(device), freqs.sin().to(device)
 
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin rows for a step's positions, [T, 1, D/2] float32: gathered once per forward
+        and shared by every layer (one table serves the whole model)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-    def forward_fused(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
-        """Rotate queries and keys in one pass: qk is [T, H + Hkv, D] (a view of the qkv output)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(qk, cos, sin)
+        cos, sin = self.lookup(positions)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by the [T, 1, D/2] tables of ``RotaryEmbedding.lookup``."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

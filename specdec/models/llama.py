@@ -16,7 +16,7 @@ from torch import nn
 
 from specdec.layers.attention import REFERENCE_BACKEND, AttentionBackend, AttentionMetadata
 from specdec.layers.norm import RMSNorm
-from specdec.layers.rotary import RotaryEmbedding
+from specdec.layers.rotary import RotaryEmbedding, rotate
 
 
 def _cfg(config, name: str, default=None):
@@ -48,23 +48,22 @@ class Attention(nn.Module):
         eps = _cfg(config, "rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
-        theta, scaling = _rope_params(config)
-        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
         self.backend = attn_backend
 
-    def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """rope: the (cos, sin) rows of this step's positions, from ``RotaryEmbedding.lookup``."""
         qkv = self.qkv_proj(hidden)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is None:
             # queries and keys are adjacent in the fused output: rotate both in one pass
-            qk = self.rotary.forward_fused(positions, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+            qk = rotate(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         else:
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-            q, k = self.rotary(positions, q, k)
+            q, k = rotate(q, *rope), rotate(k, *rope)
         self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = self.backend.attend(q, kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -94,13 +93,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
-    def forward(self, positions, hidden, residual, kv_cache, meta):
+    def forward(self, rope, hidden, residual, kv_cache, meta):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -118,6 +117,8 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(config, qkv_bias, self.qk_norm, attn_backend) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, _cfg(config, "rms_norm_eps", 1e-6))
+        theta, scaling = _rope_params(config)
+        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
         self.tie_word_embeddings = bool(_cfg(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
@@ -134,8 +135,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata):
         hidden = self.embed_tokens(input_ids)  # [T, H]
         residual = None
+        rope = self.rotary.lookup(positions)  # once per step, not once per layer
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
