@@ -17,12 +17,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-KIND_ORDER = ("latency", "throughput", "sweep", "compare", "serve")
+KIND_ORDER = ("latency", "throughput", "sweep", "compare", "workloads", "serve")
 TITLES = {
     "latency": "Latency: decode tokens/s vs the roofline, speculation vs none",
     "throughput": "Throughput: tokens/s vs batch size",
     "sweep": "Controlled acceptance (replay): efficiency over acceptance x K",
     "compare": "specdec vs Hugging Face transformers (same checkpoint, same prompts, same run)",
+    "workloads": "Draft-free speculation on grounded, open-ended and batched work",
     "serve": "HTTP serving load test",
     "other": "Other recorded results",
 }

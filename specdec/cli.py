@@ -28,6 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     g.add_argument("--num-speculative-tokens", default=None)
     g.add_argument("--no-speculation", action="store_true", help="with the default model: turn the draft off")
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--enforce-eager", action="store_true", help="GPUs: no CUDA/HIP graphs")
 
 
 def engine_kwargs(args) -> dict:
@@ -38,6 +39,7 @@ def engine_kwargs(args) -> dict:
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
         quantization=args.quantization, num_threads=args.num_threads,
+        enforce_eager=getattr(args, "enforce_eager", False),
     )
     k = args.num_speculative_tokens
     if k is not None and k != "auto":

@@ -97,6 +97,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     attention_backend: str = "auto"  # "reference" (per-request loop), "torch" (batched SDPA) or "triton" (GPU)
     num_threads: int | None = None
+    enforce_eager: bool = False  # GPUs: no CUDA/HIP graphs for decode and verify steps (as vLLM's flag)
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     spec_cost_calibration: bool = True
     extra: dict = field(default_factory=dict)
 

@@ -18,8 +18,8 @@ def add_common_args(p: argparse.ArgumentParser, output_len: int = 128) -> None:
     g = p.add_argument_group("benchmark")
     g.add_argument("--input-len", type=int, default=128, help="prompt tokens (exactly)")
     g.add_argument("--output-len", type=int, default=output_len, help="generated tokens (EOS ignored)")
-    g.add_argument("--prompts", default="random", choices=["random", "text"],
-                   help="random token ids, or windows of fixed source text")
+    g.add_argument("--prompts", default="random", choices=["random", "text", "code"],
+                   help="random token ids, windows of fixed source text, or the 8 code-completion prompts")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--num-iters", type=int, default=5, help="timed repetitions (A/B interleaved; medians)")
     g.add_argument("--bandwidth-mib", type=int, default=512, help="buffer size of the bandwidth copy test")
@@ -59,7 +59,9 @@ def register_cli(subparsers) -> None:
     _register_serve(sub)
     from specdec.bench.workloads import add_workloads_parser
 
-    add_workloads_parser(sub)
+    add_workloads_parser(sub).set_defaults(bench_parser=sub.choices["workloads"])
+    if "serve" in sub.choices:
+        sub.choices["serve"].set_defaults(bench_parser=sub.choices["serve"])
     m = sub.add_parser("make-model", help="write a random checkpoint for benchmarks (speed ignores weights)")
     m.add_argument("out")
     m.add_argument("--preset", default="tinyllama-1.1b", choices=["tinyllama-1.1b", "tiny"])

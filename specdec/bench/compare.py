@@ -147,6 +147,9 @@ def measure(args) -> dict:
         rows.append({"system": name, "tokens_per_s": tps, "tokens_per_s_per_iter": rates[name],
                      "roofline_fraction": paired_fraction(rates[name], bandwidths, roof),
                      "agreement_with_reference": driver.agreement(reference, outputs[name])})
+    if "specdec" in outputs:  # speculation must not change what the engine itself decodes
+        for r in rows:
+            r["agreement_with_specdec"] = driver.agreement(outputs["specdec"], outputs[r["system"]])
     base = next((r["tokens_per_s"] for r in rows if r["system"] == reference_name), None)
     for r in rows:
         r["speedup_vs_reference"] = r["tokens_per_s"] / base if base else None
@@ -170,9 +173,11 @@ def render(result: dict) -> str:
     lines = [f"model {cfg['model']} ({cfg['dtype']}), {cfg['num_prompts']} prompts x {cfg['output_len']} tokens, "
              f"{cfg['num_iters']} iterations (medians); roofline {roof['tokens_per_s']:.2f} tok/s at "
              f"{roof['bandwidth_gb_per_s']:.1f} GB/s"]
-    headers = ["system", "tok/s (e2e)", "vs transformers", "roofline frac", "identical outputs", "prefix agreement"]
+    headers = ["system", "tok/s (e2e)", "vs transformers", "roofline frac", "identical outputs", "prefix agreement",
+               "identical to specdec plain"]
     rows = [[r["system"], r["tokens_per_s"], r["speedup_vs_reference"], r["roofline_fraction"],
              r["agreement_with_reference"]["identical_fraction"],
-             r["agreement_with_reference"]["mean_prefix_agreement"]] for r in result["rows"]]
+             r["agreement_with_reference"]["mean_prefix_agreement"],
+             (r.get("agreement_with_specdec") or {}).get("identical_fraction")] for r in result["rows"]]
     lines.append(format_table(headers, rows))
     return "\n\n".join(lines)

@@ -167,6 +167,26 @@ def text_prompts(llm, num_prompts: int, input_len: int, seed: int) -> list[list[
     return [corpus[s:s + input_len] for s in starts]
 
 
+# Code-completion prompts (the "code" prompt set): what a coding assistant is asked to continue.
+CODE_PROMPTS = (
+    "def fibonacci(n):",
+    "import numpy as np\n\ndef normalize(x):",
+    "class Stack:\n    def __init__(self):",
+    "def quicksort(items):",
+    "def read_csv(path):\n    \"\"\"Read a CSV file into a list of dicts.\"\"\"",
+    "async def fetch(session, url):",
+    "def binary_search(arr, target):",
+    "class LRUCache:\n    def __init__(self, capacity: int):",
+)
+
+
+def code_prompts(llm, num_prompts: int, seed: int = 0) -> list[list[int]]:
+    """The CODE_PROMPTS in turn from the seed's offset, tokenized as they are (their own lengths;
+    --input-len does not apply): repetitions with different seeds see different prompts."""
+    tokenizer = llm.get_tokenizer()
+    return [tokenizer.encode(CODE_PROMPTS[(seed + i) % len(CODE_PROMPTS)]) for i in range(num_prompts)]
+
+
 def make_prompts(llm, kind: str, num_prompts: int, input_len: int, seed: int) -> list[list[int]]:
     if input_len < 1:
         raise ValueError(f"--input-len must be >= 1, got {input_len}")
@@ -174,7 +194,9 @@ def make_prompts(llm, kind: str, num_prompts: int, input_len: int, seed: int) ->
         return random_prompts(llm, num_prompts, input_len, seed)
     if kind == "text":
         return text_prompts(llm, num_prompts, input_len, seed)
-    raise ValueError(f"--prompts must be 'random' or 'text', got {kind!r}")
+    if kind == "code":
+        return code_prompts(llm, num_prompts, seed)
+    raise ValueError(f"--prompts must be 'random', 'text' or 'code', got {kind!r}")
 
 
 def greedy_params(output_len: int, temperature: float = 0.0, seed: int | None = None) -> SamplingParams:

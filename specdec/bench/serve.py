@@ -279,9 +279,11 @@ def cmd_bench_serve(args) -> int:
         print(f"concurrency {c['concurrency']}: speculative / baseline output tok/s = "
               f"{c['output_throughput_ratio']:.2f}x")
     if args.output_json:
+        from specdec.bench.report import result_header, write_json
+
         config = {k: v for k, v in vars(args).items() if k not in ("func", "bench_parser")}
-        with open(args.output_json, "w") as f:
-            json.dump({"config": config, "runs": rows, "ratios": cmp}, f, indent=2, default=str)
+        write_json({**result_header(args, "serve", None), "config": config, "runs": rows, "ratios": cmp},
+                   args.output_json)
     return 0 if all(r["completed"] for r in rows) else 1
 
 

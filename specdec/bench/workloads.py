@@ -12,7 +12,6 @@ process, interleaved over repetitions; the table reports medians and speedup vs 
 from __future__ import annotations
 
 import inspect
-import json
 import statistics
 import time
 
@@ -107,26 +106,31 @@ def bench_workloads(args) -> dict:
                           "acceptance_rate": extra[name]["acceptance_rate"],
                           "mean_acceptance_length": extra[name]["mean_acceptance_length"]}
         results[wname] = {"num_prompts": len(ids), "output_len": out_len, "rows": rows}
-    return {"model": args.model, "k": args.k, "repeats": args.repeats, "workloads": results}
+    from specdec.bench.report import result_header
+
+    return {**result_header(args, "workloads", None), "model": args.model, "k": args.k, "repeats": args.repeats,
+            "workloads": results}
 
 
-def print_table(result: dict) -> None:
-    print(f"model {result['model']}, K={result['k']}, medians of {result['repeats']} interleaved runs")
-    print(f"{'workload':10} {'config':12} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'mean len':>8} {'identical':>9}")
-    for wname, w in result["workloads"].items():
-        for name, r in w["rows"].items():
-            acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
-            mal = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
-            print(f"{wname:10} {name:12} {r['tokens_per_s']:8.2f} {r['speedup']:7.2f}x {acc:>7} {mal:>8} "
-                  f"{r['identical_outputs']:>9}")
+def render(result: dict) -> str:
+    """The table (also what BENCHMARKS.md shows for a ``workloads`` result)."""
+    from specdec.bench.report import format_table
+
+    rows = [[wname, f"{w['num_prompts']} x {w['output_len']}", name, r["tokens_per_s"], r["speedup"],
+             r["acceptance_rate"], r["mean_acceptance_length"], r["identical_outputs"]]
+            for wname, w in result["workloads"].items() for name, r in w["rows"].items()]
+    headers = ["workload", "prompts x tokens", "config", "tok/s", "speedup vs off", "accept rate", "mean acc len",
+               "identical to off"]
+    return (f"model {result['model']}, K up to {result['k']}, medians of {result['repeats']} interleaved runs\n\n"
+            + format_table(headers, rows))
 
 
 def cmd_workloads(args) -> int:
+    from specdec.bench.report import write_json
+
     result = bench_workloads(args)
-    print_table(result)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    print(render(result))
+    write_json(result, args.output_json)
     return 0
 
 
@@ -144,3 +148,4 @@ def add_workloads_parser(bench_sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=cmd_workloads)
+    return p

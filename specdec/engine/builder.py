@@ -155,6 +155,8 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len, cfg.enable_chunked_prefill)
     draft_runner = ModelRunner(draft_model, num_blocks, cfg.block_size, device, draft_dtype) if draft_model else None
+    if device.type == "cuda" and attn_backend.name == "triton" and not cfg.enforce_eager:
+        _enable_graphs(cfg, runner, draft_runner, max_model_len, spec)
     vocab_size = config.vocab_size
     proposer = build_proposer(spec, draft_runner, kv, vocab_size) if spec else None
     controller = SpecController.build(spec, proposer, runner, draft_runner, cfg) if spec else None
@@ -167,6 +169,17 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         generation_defaults=generation_defaults(path),
         draft_runner=draft_runner,
     )
+
+
+def _enable_graphs(cfg: EngineConfig, runner, draft_runner, max_model_len: int, spec) -> None:
+    """Capture decode (q = 1) and verification (q = K + 1, every K up to the maximum: adaptive K
+    varies it) graphs for the target, and proposal-pass graphs (q = 1) for a draft model."""
+    sizes = sorted({b for b in cfg.cuda_graph_batch_sizes if b <= cfg.max_num_seqs} | {1})
+    max_blocks = -(-max_model_len // cfg.block_size) + 1
+    max_k = spec.max_k if spec else 0
+    runner.enable_graphs(sizes, [1] + [k + 1 for k in range(1, max_k + 1)], max_blocks)
+    if draft_runner is not None:
+        draft_runner.enable_graphs(sizes, [1], max_blocks)
 
 
 def _attention_backend(cfg: EngineConfig, device):

@@ -2,10 +2,16 @@
 
 Both the target and a draft model use one of these; they share block ids (the draft's
 cache has the same number of blocks), so one block table serves both.
+
+On GPUs (Triton attention) ``enable_graphs`` captures CUDA/HIP graphs of the uniform steps —
+every request feeding the same number of rows q: 1 for decode and for a draft's proposal
+passes, K + 1 for verification — at a ladder of batch sizes; ``forward`` replays the smallest
+graph that fits and runs everything else (prefill chunks, mixed steps, larger batches) eagerly.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -29,6 +35,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.layers]
+        self.graphs: dict[int, object] = {}  # rows per request q -> GraphRunner (enable_graphs)
+        self.graph_max_blocks = 0
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
@@ -71,5 +79,62 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [N, V] float32
+        graph = self._graph_for(batch)
+        if graph is not None:
+            meta = batch.attn
+            logits = graph.run(meta.num_reqs, num_output_rows=len(batch.input_ids), input_ids=batch.input_ids,
+                               positions=batch.positions, slot_mapping=meta.slot_mapping, seq_lens=meta.seq_lens,
+                               block_tables=meta.block_tables)
+            return logits[batch.logits_indices]  # a copy: the graph's buffer is reused by the next replay
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+    # ---- graphs (GPU) ----
+
+    @torch.inference_mode()
+    def enable_graphs(self, batch_sizes: list[int], query_lens: list[int], max_blocks_per_seq: int,
+                      use_graphs: bool | None = None) -> None:
+        """Capture one GraphRunner per rows-per-request q, each at every batch size. The step's
+        host metadata is fixed at capture: query lengths q, and sequence lengths taken as the
+        longest a block table can hold, so the attention kernel's key split suits any context.
+        ``use_graphs=False`` runs the same padded path eagerly (how CPU tests exercise it)."""
+        from specdec.kernels.graphs import GraphRunner
+
+        self.graph_max_blocks = max_blocks_per_seq
+        for q in sorted(set(query_lens)):
+            runner = GraphRunner(
+                partial(self._graph_forward, q), partial(self._static_inputs, q), batch_sizes, self.device,
+                # pad rows write no KV (slot -1) and see q keys of block 0, so no row attends to nothing
+                pad_values={"slot_mapping": -1, "seq_lens": q}, use_graphs=use_graphs)
+            runner.capture()
+            self.graphs[q] = runner
+
+    def _static_inputs(self, q: int, batch_size: int) -> dict[str, torch.Tensor]:
+        def zeros(*shape):
+            return torch.zeros(shape, dtype=torch.int64, device=self.device)
+
+        return {"input_ids": zeros(batch_size * q), "positions": zeros(batch_size * q),
+                "slot_mapping": zeros(batch_size * q) - 1, "seq_lens": zeros(batch_size) + q,
+                "block_tables": zeros(batch_size, self.graph_max_blocks)}
+
+    def _graph_forward(self, q: int, input_ids, positions, slot_mapping, seq_lens, block_tables) -> torch.Tensor:
+        batch_size = seq_lens.shape[0]
+        qsl = list(range(0, (batch_size + 1) * q, q))
+        attn = AttentionMetadata(
+            query_start_loc=torch.arange(0, (batch_size + 1) * q, q, device=self.device), seq_lens=seq_lens,
+            block_tables=block_tables, slot_mapping=slot_mapping, query_start_loc_cpu=qsl,
+            seq_lens_cpu=[self.graph_max_blocks * self.block_size] * batch_size, block_size=self.block_size)
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, attn))
+
+    def _graph_for(self, batch: ForwardBatch):
+        if not self.graphs:
+            return None
+        meta = batch.attn
+        qsl = meta.query_start_loc_cpu
+        q = qsl[1] - qsl[0] if meta.num_reqs else 0
+        graph = self.graphs.get(q)
+        if graph is None or graph.padded_size(meta.num_reqs) is None \
+                or meta.block_tables.shape[1] > self.graph_max_blocks \
+                or any(qsl[i + 1] - qsl[i] != q for i in range(meta.num_reqs)):
+            return None
+        return graph
