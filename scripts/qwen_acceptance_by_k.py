@@ -9,15 +9,9 @@ import json
 import torch
 
 from specdec import LLM, SamplingParams
+from specdec.bench.driver import CODE_PROMPTS
 
-PROMPTS = [
-    "def fibonacci(n):",
-    "import numpy as np\n\ndef normalize(x):",
-    "class Stack:\n    def __init__(self):",
-    "def quicksort(items):",
-    "def read_csv(path):\n    \"\"\"Read a CSV file into a list of dicts.\"\"\"",
-    "async def fetch(session, url):",
-]
+PROMPTS = CODE_PROMPTS[:6]  # the bench's code-completion prompts (this script's original six)
 
 
 def main() -> None:

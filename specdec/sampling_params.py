@@ -1,7 +1,7 @@
 """SamplingParams: the per-request sampling controls, vLLM names, validated on construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
 

@@ -17,7 +17,7 @@ import torch
 
 from specdec.bench import driver
 from specdec.bench.cli import add_common_args, engine_args
-from specdec.bench.report import format_table, median, result_header, write_json
+from specdec.bench.report import format_table, median, result_header, run_benchmark
 from specdec.bench.roofline import engine_roofline, measure_bandwidth, paired_fraction
 
 
@@ -34,14 +34,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    result = measure(args)
-    print(render(result))
-    write_json(result, args.output_json)
-    if args.plot:
-        from specdec.bench.plots import plot_compare
-
-        plot_compare(result, args.plot)
-    return 0
+    return run_benchmark(args, measure, render, "plot_compare")
 
 
 def _hf_model(path: str, dtype: torch.dtype):

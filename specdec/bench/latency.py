@@ -10,7 +10,7 @@ from __future__ import annotations
 from specdec.bench import driver
 from specdec.bench.cli import add_common_args, engine_args, has_speculation
 from specdec.bench.leviathan import AcceptanceCounts, leviathan_bound
-from specdec.bench.report import format_table, median, result_header, write_json
+from specdec.bench.report import format_table, median, result_header, run_benchmark
 from specdec.bench.roofline import engine_roofline, measure_bandwidth, measure_matmul_flops, paired_fraction
 
 
@@ -23,14 +23,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    result = measure(args)
-    print(render(result))
-    write_json(result, args.output_json)
-    if args.plot:
-        from specdec.bench.plots import plot_latency
-
-        plot_latency(result, args.plot)
-    return 0
+    return run_benchmark(args, measure, render, "plot_latency")
 
 
 def summarize_runs(runs: list[driver.RunResult]) -> dict:
@@ -86,10 +79,16 @@ def measure(args) -> dict:
     if speculative:
         driver.warmup(llm)
     base_runs, spec_runs, bandwidths = [], [], []
+    def bandwidth_now() -> float:
+        return measure_bandwidth(args.bandwidth_mib << 20, repeats=3, device=base.engine.device)
+
     for rep in range(args.num_iters):
-        bandwidths.append(measure_bandwidth(args.bandwidth_mib << 20, repeats=3, device=base.engine.device))
+        before = bandwidth_now()
         prompts = driver.make_prompts(base, args.prompts, args.batch_size, args.input_len, seed=args.seed * 7919 + rep)
         base_runs.append(driver.timed_generate(base, prompts, params))
+        # a shared host's bandwidth drifts within minutes: pair the run with the mean of the
+        # copies just before and just after it
+        bandwidths.append((before + bandwidth_now()) / 2)
         if speculative:  # same prompts; a replay proposer gets the plain run's output as its reference
             driver.register_references(llm, prompts, base_runs[-1].token_ids)
             spec_runs.append(driver.timed_generate(llm, prompts, params))

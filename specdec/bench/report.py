@@ -122,6 +122,19 @@ def result_header(args, kind: str, bandwidth: float | None, device=None) -> dict
     }
 
 
+def run_benchmark(args, measure, render, plot_name: str) -> int:
+    """What every ``specdec bench`` command does: measure, print the table, write --output-json,
+    draw --plot with ``specdec.bench.plots.<plot_name>``."""
+    result = measure(args)
+    print(render(result))
+    write_json(result, args.output_json)
+    if args.plot:
+        from specdec.bench import plots
+
+        getattr(plots, plot_name)(result, args.plot)
+    return 0
+
+
 def write_json(result: dict, path: str | None) -> None:
     if not path:
         return

@@ -9,7 +9,7 @@ from __future__ import annotations
 from specdec.bench import driver
 from specdec.bench.cli import add_common_args, engine_args, has_speculation
 from specdec.bench.latency import speculation_figures, summarize_runs
-from specdec.bench.report import format_table, result_header, write_json
+from specdec.bench.report import format_table, result_header, run_benchmark
 from specdec.bench.report import median
 from specdec.bench.roofline import engine_roofline, measure_bandwidth, measure_matmul_flops, paired_fraction
 
@@ -24,14 +24,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    result = measure(args)
-    print(render(result))
-    write_json(result, args.output_json)
-    if args.plot:
-        from specdec.bench.plots import plot_throughput
-
-        plot_throughput(result, args.plot)
-    return 0
+    return run_benchmark(args, measure, render, "plot_throughput")
 
 
 def measure(args) -> dict:

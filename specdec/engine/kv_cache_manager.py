@@ -64,11 +64,7 @@ class KVCacheManager:
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
-            parent = None
-            hashes = self.req_hashes.setdefault(request.request_id, [])
-            for b in new_computed_blocks:
-                hashes.append(b.block_hash)
-                parent = b.block_hash
+            self.req_hashes.setdefault(request.request_id, []).extend(b.block_hash for b in new_computed_blocks)
         blocks.extend(self.pool.get_new_blocks(needed))
         return True
 

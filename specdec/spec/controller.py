@@ -5,8 +5,6 @@ estimate and the measured cost of draft and target forwards (see ``specdec.spec.
 """
 from __future__ import annotations
 
-import time
-
 from specdec.engine.request import Request
 
 
