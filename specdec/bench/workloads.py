@@ -49,6 +49,10 @@ def open_prompts(n: int) -> list[list[dict]]:
 
 
 def run_config(llm, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[float, int, dict]:
+    if llm.engine.proposer is not None:
+        # the suffix store would otherwise hold this very output from the previous repetition
+        # (and from the other copies of a prompt in "batch"): each run starts with an empty one
+        llm.engine.proposer.reset_history()
     before = dict(llm.get_metrics())
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)

@@ -74,6 +74,8 @@ class StepCostModel:
         self.ema_rate = ema_rate
         self._seconds = {kind: np.zeros(len(counts)) for kind in KINDS}  # [num_knots]
         self._mass = {kind: np.zeros(len(counts)) for kind in KINDS}  # [num_knots] observation weight
+        self._calibrated = {kind: np.zeros(len(counts)) for kind in KINDS}  # [num_knots] set() values
+        self._observed = {kind: np.zeros(len(counts), dtype=bool) for kind in KINDS}  # [num_knots] by observe()
 
     def has_observations(self, kind: str) -> bool:
         _validate_kind(kind)
@@ -93,6 +95,10 @@ class StepCostModel:
         lo = hi if knots[hi] == num_tokens else hi - 1
         w_hi = 1.0 if lo == hi else (num_tokens - knots[lo]) / (knots[hi] - knots[lo])
         residual = seconds - (self.cost(kind, num_tokens) if mass.any() else seconds)
+        adjusted = self._knot_values(kind)
+        for knot in {lo, hi}:  # a calibration-only knot starts from its rescaled value
+            if not self._observed[kind][knot]:
+                values[knot] = adjusted[knot]
         for knot, weight in ((lo, 1.0 - w_hi), (hi, w_hi)) if lo != hi else ((hi, 1.0),):
             if weight <= 0.0:
                 continue
@@ -100,7 +106,9 @@ class StepCostModel:
                 values[knot] = seconds
             else:
                 values[knot] += max(self.ema_rate, weight / (mass[knot] + weight)) * weight * residual
+                values[knot] = max(values[knot], 0.0)  # the two-knot LMS step can overshoot below 0
             mass[knot] += weight
+            self._observed[kind][knot] = True
 
     def set(self, kind: str, num_tokens: int, seconds: float) -> None:
         """Overwrite a knot with a trusted measurement (calibration)."""
@@ -110,6 +118,25 @@ class StepCostModel:
             raise ValueError(f"num_tokens={num_tokens} is not a knot of this model ({self.token_counts.tolist()})")
         self._seconds[kind][matches[0]] = seconds
         self._mass[kind][matches[0]] = max(self._mass[kind][matches[0]], 1.0)
+        self._calibrated[kind][matches[0]] = seconds
+        self._observed[kind][matches[0]] = False
+
+    def _knot_values(self, kind: str) -> np.ndarray:
+        """Knot seconds, with knots known only from calibration rescaled by the observed /
+        calibrated ratio of the nearest knots that real steps have since measured. Start-up
+        calibration runs short contexts; real steps (long contexts, sampling) can cost twice
+        as much, and a curve mixing updated and stale knots would say that going from the
+        observed 32 tokens to the stale 64 is nearly free (measured at batch 32: 56 ms observed
+        at 32 tokens vs 46 ms calibrated at 64), which made "auto" speculate where it did not pay."""
+        values, calibrated = self._seconds[kind], self._calibrated[kind]
+        anchors = np.flatnonzero(self._observed[kind] & (calibrated > 0))
+        stale = np.flatnonzero(~self._observed[kind] & (calibrated > 0))
+        if anchors.size == 0 or stale.size == 0:
+            return values
+        values = values.copy()
+        ratios = values[anchors] / calibrated[anchors]
+        values[stale] = calibrated[stale] * np.interp(stale, anchors, ratios)  # flat beyond the ends
+        return values
 
     def costs(self, kind: str, num_tokens: np.ndarray) -> np.ndarray:
         """Vectorised ``cost``: num_tokens [N] -> seconds [N]."""
@@ -118,7 +145,10 @@ class StepCostModel:
         observed = self._mass[kind] > 0
         if not observed.any():
             return np.where(num_tokens > 0, 1.0 if kind == "target" else 0.0, 0.0)
-        knots, values = self.token_counts[observed], self._seconds[kind][observed]
+        knots, values = self.token_counts[observed], self._knot_values(kind)[observed]
+        # a pass over more tokens never costs less: knots fed by different step mixes (prefill
+        # chunks, long and short contexts) can disagree, and a dip would read as free tokens
+        values = np.maximum.accumulate(values)
         slope = max(0.0, (values[-1] - values[-2]) / (knots[-1] - knots[-2])) if knots.shape[0] > 1 else 0.0
         inside = np.interp(num_tokens, knots, values)
         beyond = values[-1] + slope * (num_tokens - knots[-1])

@@ -34,6 +34,9 @@ class Proposer(ABC):
     def on_request_finished(self, request: Request) -> None:
         """Called once when a request ends (the suffix proposer learns from it)."""
 
+    def reset_history(self) -> None:
+        """Forget what finished requests taught (benchmark repetitions must not learn from each other)."""
+
 
 class TokenListProposer(Proposer):
     """Adapter for draft-free proposers that work on plain token lists (n-gram, suffix)."""
@@ -49,3 +52,7 @@ class TokenListProposer(Proposer):
     def on_request_finished(self, request: Request) -> None:
         self.impl.on_request_finished(request.request_id, request.all_token_ids,
                                       num_prompt_tokens=request.num_prompt_tokens)
+
+    def reset_history(self) -> None:
+        if hasattr(self.impl, "reset_history"):
+            self.impl.reset_history()

@@ -249,6 +249,10 @@ class SuffixProposer:
         max_len = min(k, max(1, int(self.spec_factor * match_length)))
         return draft_from_occurrences(haystack, ends, max_len, self.min_token_prob)
 
+    def reset_history(self) -> None:
+        """Empty the global store of earlier outputs (in-flight requests keep their own context)."""
+        self.store = GlobalTokenStore(self.store.max_tokens)
+
     def on_request_finished(
         self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int | None = None
     ) -> None:

@@ -65,6 +65,31 @@ def test_cost_model_interpolates_between_knots_and_extrapolates():
         StepCostModel((4, 2))
 
 
+def test_calibrated_only_knots_scale_with_what_real_steps_measured():
+    model = StepCostModel((1, 8, 32, 64, 128))
+    for n in (1, 8, 32, 64):  # start-up calibration: short contexts, cheap
+        model.set("target", n, 0.010 + 0.0005 * n)
+    assert model.cost("target", 64) == pytest.approx(0.042)
+    for _ in range(50):  # real batch-32 decode steps cost twice the calibrated 32-token pass
+        model.observe("target", 32, 2 * 0.026)
+    assert model.cost("target", 32) == pytest.approx(0.052, rel=0.01)
+    # 64 was never seen by a real step: it scales by the same 2x, so 32 -> 64 tokens is not free
+    assert model.cost("target", 64) == pytest.approx(2 * 0.042, rel=0.01)
+    assert model.cost("target", 8) == pytest.approx(2 * 0.014, rel=0.01)
+    # so a low-acceptance batch of 32 does not speculate (+20% tokens for +60% time); with the
+    # stale 0.042 at 64 it would have (+20% tokens in a pass the curve said was cheaper)
+    assert choose_num_spec_tokens([0.2] * 32, 5, model) == [0] * 32
+    # and once a real step measures 64, its own value is used
+    for _ in range(50):
+        model.observe("target", 64, 0.060)
+    assert model.cost("target", 64) == pytest.approx(0.060, rel=0.01)
+    # a knot measured cheaper than a smaller one (other step mixes) reads as no cheaper
+    for _ in range(50):
+        model.observe("target", 128, 0.050)
+    assert model.cost("target", 128) == pytest.approx(0.060, rel=0.01)
+    assert model.cost("target", 96) == pytest.approx(0.060, rel=0.01)
+
+
 def test_cost_model_learns_a_line_from_off_knot_observations_and_tracks_drift():
     model = StepCostModel((1, 16, 64), ema_rate=0.05)
     rng = random.Random(0)

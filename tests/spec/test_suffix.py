@@ -146,6 +146,8 @@ def test_global_store_proposes_text_that_is_in_no_prompt():
     assert proposer.propose([[50, 51, 100, 101, 102, 103]], [4], ["second"]) == [[104, 105, 106, 107]]
     fresh = SuffixProposer(num_speculative_tokens=4)
     assert fresh.propose([[50, 51, 100, 101, 102, 103]], [4], ["second"]) == [[]]
+    proposer.reset_history()  # what benchmark repetitions do: the store forgets, nothing else changes
+    assert proposer.propose([[50, 51, 100, 101, 102, 103]], [4], ["third"]) == [[]]
 
 
 @pytest.mark.parametrize(
