@@ -37,7 +37,9 @@ def _naive(query, keys, values, q_lens, seq_lens, scale):
 @pytest.mark.parametrize("q_lens,heads,kv_heads,block_size", [
     ([1, 1, 1], 4, 2, 4),        # decode rows, GQA
     ([6, 6], 8, 2, 16),          # K+1 verification rows
-    ([7, 1, 4], 4, 4, 8),        # mixed: prefill chunk, decode, verify
+    ([7, 1, 4], 4, 4, 8),        # mixed: prefill chunk, decode, verify (one padded call)
+    ([1, 3, 6, 1], 4, 2, 4),     # decode rows beside verification rows of different K (padded)
+    ([20, 1, 6], 4, 2, 8),       # a long prefill chunk among them: one call per query length
     ([1], 4, 1, 4),              # one request, MQA
 ])
 def test_paged_attention_matches_dense(q_lens, heads, kv_heads, block_size):
