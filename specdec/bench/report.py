@@ -122,13 +122,13 @@ def result_header(args, kind: str, bandwidth: float | None, device=None) -> dict
     }
 
 
-def run_benchmark(args, measure, render, plot_name: str) -> int:
+def run_benchmark(args, measure, render, plot_name: str | None = None) -> int:
     """What every ``specdec bench`` command does: measure, print the table, write --output-json,
-    draw --plot with ``specdec.bench.plots.<plot_name>``."""
+    draw --plot with ``specdec.bench.plots.<plot_name>`` (commands without a plot pass None)."""
     result = measure(args)
     print(render(result))
     write_json(result, args.output_json)
-    if args.plot:
+    if plot_name and args.plot:
         from specdec.bench import plots
 
         getattr(plots, plot_name)(result, args.plot)

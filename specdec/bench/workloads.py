@@ -130,12 +130,9 @@ def render(result: dict) -> str:
 
 
 def cmd_workloads(args) -> int:
-    from specdec.bench.report import write_json
+    from specdec.bench.report import run_benchmark
 
-    result = bench_workloads(args)
-    print(render(result))
-    write_json(result, args.output_json)
-    return 0
+    return run_benchmark(args, bench_workloads, render)
 
 
 def add_workloads_parser(bench_sub) -> None:

@@ -29,9 +29,14 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
-    # per step, computed once and shared by every layer: see ``query_len_groups``
-    _groups: list | None = field(default=None, repr=False, compare=False)
-    _padded: tuple | None = field(default=None, repr=False, compare=False)
+    # derived once per step from the host copies and shared by every layer
+    query_lens: list[int] = field(init=False, repr=False, compare=False)  # [num_reqs]
+    _groups: list | None = field(default=None, init=False, repr=False, compare=False)
+    _padded: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        q = self.query_start_loc_cpu
+        self.query_lens = [q[i + 1] - q[i] for i in range(len(q) - 1)]
 
     @property
     def num_reqs(self) -> int:
@@ -39,20 +44,23 @@ class AttentionMetadata:
 
     @property
     def max_query_len(self) -> int:
-        q = self.query_start_loc_cpu
-        return max((q[i + 1] - q[i] for i in range(len(q) - 1)), default=0)
+        return max(self.query_lens, default=0)
+
+    @property
+    def uniform_query_len(self) -> int | None:
+        """The query length every request shares, or None for a mixed step."""
+        q_lens = self.query_lens
+        return q_lens[0] if q_lens and all(q == q_lens[0] for q in q_lens) else None
 
     def padded_rows(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """For running every request at the step's longest query length q_max: the padded
         position r * q_max + j of each real query row [T], the query lengths [R], and q_max.
         Cached: every layer of the step reuses it."""
         if self._padded is None:
-            qsl = self.query_start_loc_cpu
-            q_lens = [qsl[r + 1] - qsl[r] for r in range(self.num_reqs)]
-            q_max = max(q_lens)
-            dest = [r * q_max + j for r, q in enumerate(q_lens) for j in range(q)]
+            q_max = self.max_query_len
+            dest = [r * q_max + j for r, q in enumerate(self.query_lens) for j in range(q)]
             device = self.seq_lens.device
-            self._padded = (torch.tensor(dest, device=device), torch.tensor(q_lens, device=device), q_max)
+            self._padded = (torch.tensor(dest, device=device), torch.tensor(self.query_lens, device=device), q_max)
         return self._padded
 
     def query_len_groups(self) -> list[tuple[torch.Tensor, "AttentionMetadata"]]:
@@ -61,9 +69,9 @@ class AttentionMetadata:
         if self._groups is None:
             qsl = self.query_start_loc_cpu
             by_len: dict[int, list[int]] = {}
-            for r in range(self.num_reqs):
-                if qsl[r + 1] > qsl[r]:
-                    by_len.setdefault(qsl[r + 1] - qsl[r], []).append(r)
+            for r, q_len in enumerate(self.query_lens):
+                if q_len:
+                    by_len.setdefault(q_len, []).append(r)
             device = self.seq_lens.device
             self._groups = []
             for q_len, reqs in by_len.items():
@@ -182,15 +190,13 @@ def paged_attention_torch(
     verification lengths) run that once per distinct query length, not once per request
     (measured: a batch-32 step with a few K > 0 requests cost 6-10% more than a pure decode
     step when it went request by request)."""
-    qsl = meta.query_start_loc_cpu
     num_reqs = meta.num_reqs
-    q_lens = [qsl[i + 1] - qsl[i] for i in range(num_reqs)]
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
     bs = meta.block_size
     padded = None
-    if num_reqs > 1 and any(q != q_lens[0] for q in q_lens):
-        if max(q_lens) > MAX_PADDED_QUERY_LEN:  # prefill chunks among them: one call per length
+    if meta.uniform_query_len is None:
+        if meta.max_query_len > MAX_PADDED_QUERY_LEN:  # prefill chunks among them: one call per length
             out = torch.empty_like(query)
             for rows, sub in meta.query_len_groups():
                 out[rows] = paged_attention_torch(query[rows], kv_cache, sub, scale)
@@ -198,7 +204,7 @@ def paged_attention_torch(
         # decode rows next to verification rows of different K: every request padded to the
         # longest, one call (a call per length cost ~10 ms per batch-32 step on a 30-layer model)
         padded = meta.padded_rows()
-    q_len = padded[2] if padded else q_lens[0]
+    q_len = padded[2] if padded else meta.uniform_query_len
     max_len = max(meta.seq_lens_cpu)
     num_blocks = -(-max_len // bs)
     table = meta.block_tables[:, :num_blocks].reshape(-1)  # [R * nb]; index_select: ~3x cheaper than [table]

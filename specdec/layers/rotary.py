@@ -55,13 +55,6 @@ class RotaryEmbedding(nn.Module):
         and shared by every layer (one table serves the whole model)."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
-        cos, sin = self.lookup(positions)
-        return rotate(q, cos, sin), rotate(k, cos, sin)
-
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] rotated by the [T, 1, D/2] tables of ``RotaryEmbedding.lookup``."""

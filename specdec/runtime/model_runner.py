@@ -130,11 +130,8 @@ class ModelRunner:
         if not self.graphs:
             return None
         meta = batch.attn
-        qsl = meta.query_start_loc_cpu
-        q = qsl[1] - qsl[0] if meta.num_reqs else 0
-        graph = self.graphs.get(q)
+        graph = self.graphs.get(meta.uniform_query_len)
         if graph is None or graph.padded_size(meta.num_reqs) is None \
-                or meta.block_tables.shape[1] > self.graph_max_blocks \
-                or any(qsl[i + 1] - qsl[i] != q for i in range(meta.num_reqs)):
+                or meta.block_tables.shape[1] > self.graph_max_blocks:
             return None
         return graph

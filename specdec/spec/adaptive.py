@@ -95,10 +95,9 @@ class StepCostModel:
         lo = hi if knots[hi] == num_tokens else hi - 1
         w_hi = 1.0 if lo == hi else (num_tokens - knots[lo]) / (knots[hi] - knots[lo])
         residual = seconds - (self.cost(kind, num_tokens) if mass.any() else seconds)
-        adjusted = self._knot_values(kind)
-        for knot in {lo, hi}:  # a calibration-only knot starts from its rescaled value
-            if not self._observed[kind][knot]:
-                values[knot] = adjusted[knot]
+        fresh = [knot for knot in {lo, hi} if not self._observed[kind][knot]]
+        if fresh:  # a calibration-only knot starts from its rescaled value
+            values[fresh] = self._knot_values(kind)[fresh]
         for knot, weight in ((lo, 1.0 - w_hi), (hi, w_hi)) if lo != hi else ((hi, 1.0),):
             if weight <= 0.0:
                 continue
