@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 
-SPEC_METHODS = ("draft_model", "ngram", "suffix", "replay")
+SPEC_METHODS = ("draft_model", "eagle", "ngram", "suffix", "replay")
 MAX_SPEC_TOKENS = 16
 QUANTIZATION_METHODS = (None, "int8", "int8_dynamic")
 ATTENTION_BACKENDS = ("auto", "reference", "torch", "triton")
@@ -13,7 +13,7 @@ ATTENTION_BACKENDS = ("auto", "reference", "torch", "triton")
 @dataclass(slots=True)
 class SpeculativeConfig:
     method: str = "draft_model"
-    model: str | None = None  # draft model (method == "draft_model")
+    model: str | None = None  # draft model (method "draft_model") or EAGLE head folder (method "eagle")
     num_speculative_tokens: int | str = 5  # an int in 1..16, or "auto" (adaptive, up to max_num_speculative_tokens)
     max_num_speculative_tokens: int = 8  # the ceiling for "auto"
     dtype: str = "auto"  # the draft's own dtype ("auto": the target's)
@@ -25,8 +25,9 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config.model (the draft model) is required for method 'draft_model'")
+        if self.method in ("draft_model", "eagle") and not self.model:
+            raise ValueError(f"speculative_config.model (the draft model or head) is required for method "
+                             f"{self.method!r}")
         k = self.num_speculative_tokens
         if k == "auto":
             if not 1 <= self.max_num_speculative_tokens <= MAX_SPEC_TOKENS:

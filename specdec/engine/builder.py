@@ -150,12 +150,24 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         draft_model = prepare_for_inference(
             load_model(draft_path, draft_dtype, device, attn_backend, draft_cfg), spec.quantization, device)
         bytes_per_block += ModelRunner.kv_bytes_per_block(draft_cfg, cfg.block_size, draft_dtype)
+    if spec is not None and spec.method == "eagle":
+        from specdec.models.eagle import is_eagle_folder, load_head
+
+        head_path = resolve_model_path(spec.model)
+        if not is_eagle_folder(head_path):
+            raise ValueError(f"speculative_config.model {spec.model!r} is not an EAGLE head (its config.json has no "
+                             f"'specdec_eagle' entry); make one with `specdec train-draft --arch eagle`")
+        draft_dtype = dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, device)
+        draft_model = load_head(head_path, model, draft_dtype, device, attn_backend)
+        bytes_per_block += ModelRunner.kv_bytes_per_block(draft_model.config, cfg.block_size, draft_dtype)
     num_blocks = _num_blocks(cfg, device, bytes_per_block, max_model_len, max_k)
     runner = ModelRunner(model, num_blocks, cfg.block_size, device, dtype)
     kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len, cfg.enable_chunked_prefill)
     draft_runner = ModelRunner(draft_model, num_blocks, cfg.block_size, device, draft_dtype) if draft_model else None
-    if device.type == "cuda" and attn_backend.name == "triton" and not cfg.enforce_eager:
+    # EAGLE reads the target's hidden states, which captured graphs do not return: eager there
+    if device.type == "cuda" and attn_backend.name == "triton" and not cfg.enforce_eager \
+            and not (spec is not None and spec.method == "eagle"):
         _enable_graphs(cfg, runner, draft_runner, max_model_len, spec)
     vocab_size = config.vocab_size
     proposer = build_proposer(spec, draft_runner, kv, vocab_size) if spec else None
@@ -232,6 +244,10 @@ def build_proposer(spec, draft_runner, kv, vocab_size):
         from specdec.spec.draft_model import DraftModelProposer
 
         return DraftModelProposer(draft_runner, kv, vocab_size)
+    if spec.method == "eagle":
+        from specdec.spec.eagle import EagleProposer
+
+        return EagleProposer(draft_runner, kv, vocab_size)
     if spec.method == "ngram":
         from specdec.spec.ngram import NgramProposer
 

@@ -93,6 +93,8 @@ class LLMEngine:
         tokens, num_accepted = self.verify(sched, proposal, logits, rows)
         t3 = time.perf_counter()
         outputs = self.commit(sched, proposal, tokens, num_accepted, logits, rows)
+        if self.proposer is not None and self.proposer.needs_target_hidden:
+            self.proposer.observe_target(sched.requests, *self._target_rows, self.runner.last_hidden)
         self.record_step(sched, proposal, t1 - t0, t2 - t1, t3 - t2)
         return outputs
 
@@ -120,6 +122,7 @@ class LLMEngine:
             logit_rows.append(list(range(n - 1, len(feed))) if completes else [])
             sampled.append(completes)
         batch = self.runner.prepare(feeds, starts, tables, logit_rows)
+        self._target_rows = (starts, batch.attn.query_start_loc_cpu[:-1])  # where each request's rows are
         logits = self.runner.forward(batch)  # [num_rows, V]
         return logits, sampled
 

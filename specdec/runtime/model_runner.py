@@ -24,6 +24,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # [N] int64, rows of the flat batch whose logits are wanted
+    features: torch.Tensor | None = None  # [T, H] target hidden states fed to an EAGLE head
 
 
 class ModelRunner:
@@ -37,6 +38,7 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.layers]
         self.graphs: dict[int, object] = {}  # rows per request q -> GraphRunner (enable_graphs)
         self.graph_max_blocks = 0
+        self.last_hidden: torch.Tensor | None = None  # [T, H] of the last eager forward (EAGLE reads it)
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
@@ -85,8 +87,13 @@ class ModelRunner:
             logits = graph.run(meta.num_reqs, num_output_rows=len(batch.input_ids), input_ids=batch.input_ids,
                                positions=batch.positions, slot_mapping=meta.slot_mapping, seq_lens=meta.seq_lens,
                                block_tables=meta.block_tables)
+            self.last_hidden = None  # graphs return logits only (EAGLE runs its target eagerly)
             return logits[batch.logits_indices]  # a copy: the graph's buffer is reused by the next replay
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        if batch.features is None:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, features=batch.features)
+        self.last_hidden = hidden
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     # ---- graphs (GPU) ----

@@ -48,22 +48,14 @@ class DraftModelProposer(Proposer):
             [r.sampling_params for r in reqs], [r.generator for r in reqs], self.runner.device
         )
         block_tables = [self.kv.get_block_ids(r.request_id) for r in reqs]
-        # pass 0: catch up on unseen tokens, draft the first token from the last row
-        starts = [min(r.num_draft_computed_tokens, r.num_computed_tokens) for r in reqs]
-        feeds = [r.all_token_ids[s:] for r, s in zip(reqs, starts)]
-        batch = self.runner.prepare(feeds, starts, block_tables, [[len(f) - 1] for f in feeds])
+        batch = self._first_batch(reqs, block_tables)
         probs_per_pass, tokens_per_pass = [], []
         rows = list(range(len(reqs)))  # which requests are still drafting
-        positions = [r.num_tokens for r in reqs]  # position of the next draft token
         for step in range(max(ks)):
             if step > 0:
-                rows = [j for j in rows if ks[j] > step]
-                batch = self.runner.prepare(
-                    [[tokens_per_pass[-1][j]] for j in rows],
-                    [positions[j] + step - 1 for j in rows],
-                    [block_tables[j] for j in rows],
-                    [[0]] * len(rows),
-                )
+                prev_rows, rows = rows, [j for j in rows if ks[j] > step]
+                batch = self._next_batch(reqs, rows, prev_rows, [tokens_per_pass[-1][j] for j in rows], step,
+                                         block_tables)
             logits = self._logits(batch)  # [len(rows), V]
             sub = meta if len(rows) == len(reqs) else meta.expand([int(j in rows) for j in range(len(reqs))])
             if sub.all_greedy:
@@ -81,10 +73,25 @@ class DraftModelProposer(Proposer):
                 drafts[active[j]].append(t)
             tokens_per_pass.append(full)
             probs_per_pass.append((rows, q))
-        for j, r in enumerate(reqs):
-            # draft KV now covers the real tokens and drafts d1..d_{k-1}
-            r.num_draft_computed_tokens = r.num_tokens + ks[j] - 1
+        self._finish(reqs, ks)
         return DraftProposal(drafts, self._flat_probs(probs_per_pass, ks, active, len(requests), meta))
+
+    # ---- the passes (the EAGLE proposer overrides these three) ----
+    def _first_batch(self, reqs: list[Request], block_tables):
+        """Catch up on unseen tokens; the last row drafts the first token."""
+        starts = [min(r.num_draft_computed_tokens, r.num_computed_tokens) for r in reqs]
+        feeds = [r.all_token_ids[s:] for r, s in zip(reqs, starts)]
+        return self.runner.prepare(feeds, starts, block_tables, [[len(f) - 1] for f in feeds])
+
+    def _next_batch(self, reqs, rows, prev_rows, tokens, step: int, block_tables):
+        """Feed draft ``step`` (at position num_tokens + step - 1) for the requests in ``rows``."""
+        return self.runner.prepare([[t] for t in tokens], [reqs[j].num_tokens + step - 1 for j in rows],
+                                   [block_tables[j] for j in rows], [[0]] * len(rows))
+
+    def _finish(self, reqs: list[Request], ks: list[int]) -> None:
+        for r, k in zip(reqs, ks):
+            # draft KV now covers the real tokens and drafts d1..d_{k-1}
+            r.num_draft_computed_tokens = r.num_tokens + k - 1
 
     def _flat_probs(self, probs_per_pass, ks, active, num_requests, meta) -> torch.Tensor | None:
         """Reorder per-pass q rows into the flat request-major order the verifier expects."""

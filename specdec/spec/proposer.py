@@ -26,10 +26,15 @@ class DraftProposal:
 class Proposer(ABC):
     name: str = "proposer"
     has_draft_model: bool = False  # True when drafting costs a model forward per token
+    needs_target_hidden: bool = False  # True: the engine calls observe_target after every step
 
     @abstractmethod
     def propose(self, requests: list[Request], num_spec: list[int]) -> DraftProposal:
         """Up to ``num_spec[i]`` draft tokens for each request (0 => none)."""
+
+    def observe_target(self, requests: list[Request], starts: list[int], offsets: list[int],
+                       hidden: torch.Tensor | None) -> None:
+        """The target's hidden states of the step just committed (EAGLE drafts from them)."""
 
     def on_request_finished(self, request: Request) -> None:
         """Called once when a request ends (the suffix proposer learns from it)."""

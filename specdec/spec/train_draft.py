@@ -402,7 +402,7 @@ def train_draft(cfg: TrainDraftConfig) -> dict:
     stats = cfg.stats
 
     t = time.time()
-    data = corpus_lib.build_corpus(teacher, tokenizer, cfg, work)
+    data = corpus_lib.build_corpus(target_dir, tokenizer, cfg, work)
     stats["corpus_s"] = round(time.time() - t, 1)
     stats["corpus_tokens"] = data["chunks"].numel()
 

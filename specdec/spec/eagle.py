@@ -1,0 +1,100 @@
+"""EAGLE proposer: the draft-model loop, fed the target's hidden states (``models/eagle.py``).
+
+Head row p reads (f_p, token p + 1). After each target step the engine hands over the hidden
+states of the rows the target kept (``observe_target``); a proposal's first pass catches the
+head up on those real features (positions [head_computed, num_computed_tokens)), its last row
+predicting f at the newest token's position and so draft 1; pass s feeds (predicted f, draft s)
+at position num_computed_tokens + s - 1. Positions at and past num_computed_tokens hold
+predicted-feature KV afterwards, so ``num_draft_computed_tokens`` is set to num_computed_tokens
+and the next catch-up overwrites them with real features. Losslessness does not depend on any
+of this: the drafts go through the same rejection sampler as any other.
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.engine.request import Request
+from specdec.spec.draft_model import DraftModelProposer
+
+
+class EagleProposer(DraftModelProposer):
+    name = "eagle"
+    needs_target_hidden = True
+
+    def __init__(self, runner, kv, target_vocab_size: int):
+        super().__init__(runner, kv, target_vocab_size)
+        self.features: dict[str, tuple[int, list[torch.Tensor]]] = {}  # request -> (first position, rows)
+        self._prev_batch = None
+
+    # ---- features from the target ----
+    def observe_target(self, requests: list[Request], starts: list[int], offsets: list[int],
+                       hidden: torch.Tensor | None) -> None:
+        """hidden [T, H]: the target's final hidden states of a step whose request i fed rows
+        offsets[i]... from position starts[i]; rows past what the target kept are dropped."""
+        if hidden is None:
+            raise RuntimeError("the EAGLE proposer needs the target's hidden states (run the target eagerly)")
+        for req, start, off in zip(requests, starts, offsets):
+            if req.is_finished or not req.sampling_params.use_speculation:
+                continue
+            kept = req.num_computed_tokens - start
+            if kept <= 0:
+                continue
+            rows = hidden[off:off + kept].clone()
+            first, chunks = self.features.get(req.request_id, (start, []))
+            end = first + sum(len(c) for c in chunks)
+            if chunks and end == start:
+                chunks.append(rows)
+            else:  # first rows, or a recomputation after preemption: start over from here
+                first, chunks = start, [rows]
+                req.num_draft_computed_tokens = min(req.num_draft_computed_tokens, start)
+            self.features[req.request_id] = (first, chunks)
+
+    def on_request_finished(self, request: Request) -> None:
+        self.features.pop(request.request_id, None)
+
+    def reset_history(self) -> None:
+        self.features.clear()
+
+    # ---- the passes ----
+    def _first_batch(self, reqs: list[Request], block_tables):
+        feeds, starts, feats = [], [], []
+        for r in reqs:
+            c = r.num_computed_tokens
+            first, chunks = self.features.pop(r.request_id, (c, []))
+            # positions before ``first`` were never fed here in this life of the request: their head
+            # KV came with prefix-cached blocks (written by whichever request computed them)
+            hc = max(min(r.num_draft_computed_tokens, c), first)
+            stored = torch.cat(chunks) if chunks else None
+            if stored is None or hc >= c or first + len(stored) < c:
+                # nothing new to read (cannot happen in the engine's step order): draft from the
+                # newest token with an empty feature; the drafts are only worse, never wrong
+                feeds.append([r.all_token_ids[c]])
+                starts.append(c - 1)
+                feats.append(torch.zeros(1, self._hidden_size(), dtype=self.runner.dtype, device=self.runner.device))
+                continue
+            feeds.append(r.all_token_ids[hc + 1:c + 1])
+            starts.append(hc)
+            feats.append(stored[hc - first:c - first])
+        batch = self.runner.prepare(feeds, starts, block_tables, [[len(f) - 1] for f in feeds])
+        batch.features = torch.cat(feats).to(self.runner.dtype)
+        self._prev_batch = batch
+        return batch
+
+    def _next_batch(self, reqs, rows, prev_rows, tokens, step: int, block_tables):
+        predicted = self.runner.last_hidden[self._prev_batch.logits_indices]  # [len(prev_rows), H]
+        if len(rows) != len(prev_rows):
+            keep = torch.tensor([prev_rows.index(j) for j in rows], device=predicted.device)
+            predicted = predicted.index_select(0, keep)
+        batch = self.runner.prepare([[t] for t in tokens], [reqs[j].num_computed_tokens + step - 1 for j in rows],
+                                    [block_tables[j] for j in rows], [[0]] * len(rows))
+        batch.features = predicted
+        self._prev_batch = batch
+        return batch
+
+    def _finish(self, reqs: list[Request], ks: list[int]) -> None:
+        for r in reqs:
+            r.num_draft_computed_tokens = r.num_computed_tokens
+        self._prev_batch = None
+
+    def _hidden_size(self) -> int:
+        return self.runner.model.config.hidden_size

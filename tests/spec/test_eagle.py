@@ -1,0 +1,116 @@
+"""EAGLE head and proposer (float32): the paged head equals its dense reference, the engine's
+drafts are exactly what the head computes from the target's own hidden states, and greedy
+output with EAGLE speculation is token-identical to plain decoding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.layers.attention import TORCH_BACKEND
+from specdec.models.eagle import dense_forward, init_head, load_head, save_head
+from specdec.models.loader import load_model
+from specdec.runtime.model_runner import ModelRunner
+
+ENGINE = dict(dtype="float32", device="cpu", max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def target(llama_path):
+    return load_model(llama_path, torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def head_path(target, tmp_path_factory) -> str:
+    head = init_head(target, seed=1)
+    with torch.no_grad():  # larger weights than a fresh head: drafts that differ from "repeat f_p"
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.mul_(10.0)
+    out = tmp_path_factory.mktemp("eagle") / "head"
+    save_head(head, out)
+    return str(out)
+
+
+def test_paged_head_matches_dense_reference(target, head_path):
+    head = load_head(head_path, target, torch.float32, torch.device("cpu"), TORCH_BACKEND)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (1, 21))
+    feats = torch.randn(1, 21, target.config.hidden_size)
+    want = dense_forward(head, ids, feats)[0]
+    runner = ModelRunner(head, num_blocks=8, block_size=4, device=torch.device("cpu"), dtype=torch.float32)
+    table = [3, 1, 7, 0, 2, 5]
+    got = []
+    for lo, hi in [(0, 13), (13, 14), (14, 21)]:  # a prompt, one decode row, a catch-up run
+        batch = runner.prepare([ids[0, lo:hi].tolist()], [lo], [table], [list(range(hi - lo))])
+        batch.features = feats[0, lo:hi]
+        runner.forward(batch)
+        got.append(runner.last_hidden)
+    torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_roundtrip_and_bad_folder(target, head_path, llama_path):
+    head = load_head(head_path, target, torch.float32, torch.device("cpu"), TORCH_BACKEND)
+    assert sum(p.numel() for p in head.parameters()) < sum(p.numel() for p in target.parameters())
+    with pytest.raises(ValueError, match="not an EAGLE head"):
+        LLM(model=llama_path, **ENGINE, speculative_config={"method": "eagle", "model": llama_path})
+    with pytest.raises(ValueError, match="required for method 'eagle'"):
+        LLM(model=llama_path, **ENGINE, speculative_config={"method": "eagle"})
+
+
+def reference_drafts(hf, head, tokens: list[int], num_computed: int, k: int) -> list[int]:
+    """Greedy drafts from the dense head fed the target's (transformers') hidden states."""
+    c = num_computed
+    with torch.no_grad():
+        feats = hf.model(torch.tensor([tokens[:c]])).last_hidden_state[0]  # f_0 .. f_{c-1}
+        ids, rows, out = list(tokens[1:c + 1]), [feats[p] for p in range(c)], []
+        for _ in range(k):
+            pred = dense_forward(head, torch.tensor([ids]), torch.stack(rows)[None])[0, -1]
+            tok = int(head.compute_logits(pred[None]).argmax())
+            out.append(tok)
+            ids.append(tok)
+            rows.append(pred)
+    return out
+
+
+def test_engine_drafts_equal_dense_head_on_target_features(llama_path, head_path, target, prompts):
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(model=llama_path, **ENGINE, speculative_config={"method": "eagle", "model": head_path,
+                                                              "num_speculative_tokens": 3})
+    proposer = llm.engine.proposer
+    seen = []
+    inner = proposer.propose
+
+    def recording(requests, num_spec):
+        snapshot = [(list(r.all_token_ids), r.num_computed_tokens, k) for r, k in zip(requests, num_spec)]
+        proposal = inner(requests, num_spec)
+        seen.extend((toks, c, k, d) for (toks, c, k), d in zip(snapshot, proposal.draft_token_ids) if k)
+        return proposal
+
+    proposer.propose = recording
+    llm.generate(prompts[:3], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert len(seen) >= 6
+    hf = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
+    head = load_head(head_path, target, torch.float32, torch.device("cpu"), TORCH_BACKEND)
+    for toks, c, k, drafts in seen[:12]:
+        assert drafts == reference_drafts(hf, head, toks, c, k), f"at {c} computed tokens"
+
+
+def test_greedy_identical_with_eagle_in_mixed_batches(llama_path, head_path, prompts):
+    plain = LLM(model=llama_path, **ENGINE)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(model=llama_path, **ENGINE, speculative_config={"method": "eagle", "model": head_path,
+                                                              "num_speculative_tokens": "auto"})
+    params = [greedy if i % 3 else SamplingParams(temperature=0.8, seed=i, max_tokens=20, ignore_eos=True)
+              for i in range(len(prompts))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for i, (o, w) in enumerate(zip(outs, want)):
+        assert len(o.outputs[0].token_ids) == 20
+        if i % 3:
+            assert o.outputs[0].token_ids == w, f"prompt {i} diverged"
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+    assert not llm.engine.proposer.features  # finished requests leave no features behind
+    engine = llm.engine
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
