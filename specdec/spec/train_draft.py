@@ -40,6 +40,7 @@ SOURCES = ("chat", "stdlib", "shakespeare")
 class TrainDraftConfig:
     target: str
     out: str
+    arch: str = "llama"               # "llama": a small standalone model; "eagle": a head on the target's features
     work_dir: str | None = None
     sources: tuple[str, ...] = SOURCES
     num_chat_prompts: int = 1024      # self-generated answers (half chat, half code requests)
@@ -67,11 +68,18 @@ class TrainDraftConfig:
     device: str = "auto"
     num_threads: int | None = None    # CPU threads (torch default: all cores)
     seed: int = 0
+    feature_loss: float = 0.5         # eagle: weight of the smooth-L1 feature regression next to the KL
+    feature_noise: float = 0.1        # eagle: uniform noise on input features, as a fraction of their std
+    unroll: int = 2                   # eagle: 2 = also train on its own predicted features (drafting position 2)
     progress: bool = True
     stats: dict = field(default_factory=dict)  # filled by the run: phase times, final metrics
 
     def __post_init__(self):
         self.sources = tuple(self.sources)
+        if self.arch not in ("llama", "eagle"):
+            raise ValueError(f"arch must be 'llama' or 'eagle', got {self.arch!r}")
+        if self.unroll not in (1, 2):
+            raise ValueError(f"unroll must be 1 or 2, got {self.unroll}")
         unknown = set(self.sources) - set(SOURCES)
         if unknown or not self.sources:
             raise ValueError(f"sources must be a non-empty subset of {SOURCES}, got {self.sources}")
@@ -132,7 +140,8 @@ class FusedHeadTopKRestKL(torch.autograd.Function):
             total += kl.sum().double()
             grad = grad.div_(n).to(torch.bfloat16)
             grad_hidden[rows] = grad @ w
-            grad_weight += (grad.T @ h).float()
+            if ctx.needs_input_grad[1]:  # a frozen head (EAGLE trains against the target's) skips this
+                grad_weight += (grad.T @ h).float()
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return (total / n).float()
 
@@ -311,8 +320,9 @@ def _batch_order(num_chunks: int, total_steps: int, cfg: TrainDraftConfig) -> to
     return torch.cat(perms)[:needed].view(total_steps, cfg.batch_size)
 
 
-def train(student, chunks, topk_ids, topk_logp, cfg: TrainDraftConfig, save) -> list[dict]:
-    """Train (resuming from checkpoint.pt); ``save(student)`` writes the HF folder. Returns the log."""
+def train(student, chunks, cfg: TrainDraftConfig, save, loss_fn) -> list[dict]:
+    """Train (resuming from checkpoint.pt); ``loss_fn(chunk_indices, generator)`` -> scalar loss;
+    ``save(student)`` writes the HF folder. Returns the log."""
     from tqdm.auto import tqdm
 
     device = next(student.parameters()).device
@@ -342,15 +352,15 @@ def train(student, chunks, topk_ids, topk_logp, cfg: TrainDraftConfig, save) -> 
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, total, elapsed, cfg)
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)   # resumable negatives
-        loss = distill_loss(student, chunks[idx].to(device), topk_ids[idx].to(device), topk_logp[idx].to(device),
-                            cfg.num_negatives, generator)
+        loss = loss_fn(idx, generator)
+        loss, extra = loss if isinstance(loss, tuple) else (loss, {})
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
         elapsed = start_elapsed + time.time() - t0
-        log.append({"step": step, "kl_topk": round(loss.item(), 5), "lr": opt.param_groups[0]["lr"],
+        log.append({"step": step, "kl_topk": round(loss.item(), 5), **extra, "lr": opt.param_groups[0]["lr"],
                     "elapsed_s": round(elapsed, 1)})
         tokens_per_s = num_tokens * (step - start_step) / max(elapsed - start_elapsed, 1e-9)
         bar.set_postfix(kl=f"{loss.item():.3f}", tok_s=f"{tokens_per_s:.0f}")
@@ -412,8 +422,12 @@ def train_draft(cfg: TrainDraftConfig) -> dict:
 
     student = init_student(teacher, cfg).to(device)
     t = time.time()
-    log = train(student, data["chunks"], topk_ids, topk_logp, cfg,
-                save=lambda model: save_hf_folder(model, tokenizer, generation_config, out))
+    def loss_fn(idx, generator):
+        return distill_loss(student, data["chunks"][idx].to(device), topk_ids[idx].to(device),
+                            topk_logp[idx].to(device), cfg.num_negatives, generator)
+
+    log = train(student, data["chunks"], cfg, lambda model: save_hf_folder(model, tokenizer, generation_config, out),
+                loss_fn)
     stats["train_s"] = round(time.time() - t, 1)
     stats["train_total_s"] = log[-1]["elapsed_s"] if log else 0.0
     stats["final_train_kl_topk"] = sum(r["kl_topk"] for r in log[-20:]) / max(1, len(log[-20:]))
@@ -427,6 +441,7 @@ def train_draft(cfg: TrainDraftConfig) -> dict:
 
 
 _FLAG_HELP = {
+    "arch": "llama: a standalone small model; eagle: a one-layer head reading the target's hidden states",
     "work_dir": "cache of corpus, teacher top-k and checkpoint (default: OUT/../.NAME-train)",
     "num_chat_prompts": "templated prompts the target answers (half chat, half code)",
     "max_new_tokens": "answer length cap", "stdlib_tokens": "tokens of Python stdlib source",
@@ -443,6 +458,8 @@ _FLAG_HELP = {
     "max_minutes": "training time budget: stop there (after a save), the LR decay ends there",
     "device": "auto | cpu | cuda[:N] | rocm", "seed": "seed for prompts, data order and init",
     "num_threads": "CPU threads (on a shared machine also export OMP_WAIT_POLICY=PASSIVE)",
+    "feature_loss": "eagle: weight of the feature regression loss", "feature_noise": "eagle: input feature noise",
+    "unroll": "eagle: 2 trains drafting position 2 on the head's own predictions too",
 }
 
 
@@ -471,7 +488,12 @@ def config_from_args(args) -> TrainDraftConfig:
 
 def _cmd_train_draft(args) -> int:
     cfg = config_from_args(args)
-    report = train_draft(cfg)
+    if cfg.arch == "eagle":
+        from specdec.spec.train_eagle import train_eagle
+
+        report = train_eagle(cfg)
+    else:
+        report = train_draft(cfg)
     print(json.dumps(report, indent=1))
     print(f"draft written to {Path(cfg.out).expanduser()}")
     return 0

@@ -189,15 +189,14 @@ def test_reusing_a_work_dir_with_another_corpus_or_architecture_is_refused(train
 
 
 def test_generation_resumes_from_the_jsonl(target_dir, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    cfg = _config(target_dir, tmp_path, gen_batch_size=2)
-    teacher = AutoModelForCausalLM.from_pretrained(target_dir)
+    cfg = _config(target_dir, tmp_path, gen_batch_size=2, device="cpu")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = draft_corpus.train_prompts(6, seed=0)
     path = tmp_path / "answers.jsonl"
-    first = draft_corpus.generate_answers(teacher, tokenizer, prompts[:2], cfg, path, greedy=True, max_new_tokens=6)
-    both = draft_corpus.generate_answers(teacher, tokenizer, prompts, cfg, path, greedy=True, max_new_tokens=6)
+    first = draft_corpus.generate_answers(target_dir, tokenizer, prompts[:2], cfg, path, greedy=True, max_new_tokens=6)
+    both = draft_corpus.generate_answers(target_dir, tokenizer, prompts, cfg, path, greedy=True, max_new_tokens=6)
     assert both[:2] == first and len(both) == 6 == len(path.read_text().splitlines())
     assert [r["prompt"] for r in both] == [p for _, p in prompts]
     assert all(r["start"] < len(r["ids"]) <= r["start"] + 6 for r in both)
@@ -220,3 +219,28 @@ def test_cli_flags_build_the_config():
                                                                                         128, False)
     assert cfg.work_dir is None and cfg.work_path.name == ".o-train"
     assert callable(args.func)
+
+
+def test_eagle_head_trains_resumes_and_serves(target_dir, tmp_path):
+    """--arch eagle: the loss falls, the report has the replayed chain length, a second run of the
+    same command is a no-op resume, and the head folder drives the engine losslessly."""
+    from specdec import LLM, SamplingParams
+    from specdec.spec.train_eagle import train_eagle
+
+    cfg = _config(target_dir, tmp_path, arch="eagle", steps=24, lr=3e-3)
+    report = train_eagle(cfg)
+    log = torch.load(tmp_path / "work" / "checkpoint.pt")["log"]
+    assert len(log) == 24 and {"kl1", "kl2", "feat"} <= set(log[0])
+    assert sum(r["kl_topk"] for r in log[-3:]) < 0.9 * sum(r["kl_topk"] for r in log[:3])
+    assert 1.0 <= report["chat"]["replayed_accept_len_k5"] <= 6.0
+    assert 0.0 <= report["python_source"]["top1_agreement"] <= 1.0
+    weights = (tmp_path / "draft" / "model.safetensors").read_bytes()
+    train_eagle(_config(target_dir, tmp_path, arch="eagle", steps=24, lr=3e-3))
+    assert (tmp_path / "draft" / "model.safetensors").read_bytes() == weights
+    plain = LLM(model=str(target_dir), dtype="float32", device="cpu")
+    spec = LLM(model=str(target_dir), dtype="float32", device="cpu",
+               speculative_config={"method": "eagle", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3})
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = ["def f(x):", "Hello there", "import os"]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]

@@ -1,0 +1,194 @@
+"""``specdec train-draft --arch eagle``: train an EAGLE head (``models/eagle.py``) for a target.
+
+Same corpus and resumable phases as the Llama draft (``train_draft.py``); what differs:
+
+2. teacher ``eagle_teacher/*.pt``  one bf16 forward of the target per chunk keeps its final
+   hidden states (the head's input and regression target, bf16) and its top-k log-probs.
+3. train   row p reads (f_p + noise, token p + 1) and predicts f_{p+1}; loss = KL(target || head)
+   at token p + 2 over the teacher's top-k plus "the rest" (through the target's frozen LM head)
+   + ``feature_loss`` * smooth-L1(prediction, f_{p+1}). The noise (uniform, +-``feature_noise``
+   of the features' std) stands in for the head's own errors, which it reads from pass 2 on.
+   With ``unroll`` 2 a second pass feeds the first pass's predictions back as features and is
+   scored against the target one token further (what drafting position 2 sees), at half weight.
+4. eval    replays greedy drafting on held-out target answers: at each step the head drafts K
+   tokens from the target's real features (then its own predictions), the run of matches plus
+   one is the step's length; reports mean acceptance length at K = 5 and top-1 agreement.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdec.models.eagle import dense_forward, init_head, save_head
+from specdec.spec import draft_corpus as corpus_lib
+from specdec.spec.train_draft import (
+    FusedHeadTopKRestKL, _save_atomic, fingerprint, resolve_target, simulated_acceptance_length, train,
+)
+
+ROWS_PER_SHARD = 64
+
+
+@torch.inference_mode()
+def cache_features(teacher, chunks: torch.Tensor, cfg, shard_dir: Path):
+    """-> features [N, S, H] bf16, top-k ids [N, S, k] int32, log-probs [N, S, k] fp32, in shards."""
+    from tqdm.auto import tqdm
+
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    feats, ids, logps = [], [], []
+    bar = tqdm(total=len(chunks), desc="target features", unit="chunk", disable=not cfg.progress, mininterval=5)
+    for shard, start in enumerate(range(0, len(chunks), ROWS_PER_SHARD)):
+        path = shard_dir / f"{shard:05d}.pt"
+        rows = chunks[start:start + ROWS_PER_SHARD]
+        key = (fingerprint(rows), cfg.top_k)
+        part = torch.load(path) if path.exists() else None
+        if part is None or part.get("key") != key:
+            f_parts, i_parts, l_parts = [], [], []
+            for s in range(0, len(rows), cfg.teacher_batch_size):
+                hidden = teacher.model(rows[s:s + cfg.teacher_batch_size].to(teacher.device)).last_hidden_state
+                logp = teacher.lm_head(hidden).float().log_softmax(-1)
+                values, top = logp.topk(cfg.top_k, dim=-1)
+                f_parts.append(hidden.to(torch.bfloat16).cpu())
+                i_parts.append(top.int().cpu())
+                l_parts.append(values.cpu())
+            part = {"features": torch.cat(f_parts), "ids": torch.cat(i_parts), "logp": torch.cat(l_parts), "key": key}
+            _save_atomic(part, path)
+        feats.append(part["features"])
+        ids.append(part["ids"])
+        logps.append(part["logp"])
+        bar.update(len(rows))
+    bar.close()
+    return torch.cat(feats), torch.cat(ids), torch.cat(logps)
+
+
+def _topk_kl(head, pred: torch.Tensor, topk_ids, topk_logp, num_negatives: int, generator) -> torch.Tensor:
+    """KL(target top-k + rest || softmax(lm_head(pred))) with the target's LM head frozen."""
+    weight = head.target[0].lm_head.weight.detach()
+    hidden = pred.float().flatten(0, 1)
+    ids, logp = topk_ids.flatten(0, 1).long(), topk_logp.flatten(0, 1)
+    if num_negatives > 0:  # softmax over the batch's top-k tokens plus random negatives (see distill_loss)
+        negatives = torch.randint(weight.shape[0], (num_negatives,), generator=generator).to(pred.device)
+        vocab = torch.cat([ids.flatten(), negatives]).unique()
+        position = torch.full((weight.shape[0],), -1, dtype=torch.long, device=pred.device)
+        position[vocab] = torch.arange(len(vocab), device=pred.device)
+        weight, ids = weight[vocab], position[ids]
+    return FusedHeadTopKRestKL.apply(hidden, weight.float(), ids, logp)
+
+
+def eagle_loss(head, ids, feats, topk_ids, topk_logp, cfg, generator):
+    """ids [B, S]; feats [B, S, H] (the target's); topk_* [B, S, k]. -> (loss, log extras)."""
+    f = feats.float()
+    noise = (torch.rand(f.shape, generator=generator) * 2 - 1).to(f.device) * (cfg.feature_noise * f.std())
+    with torch.autocast(f.device.type, dtype=torch.bfloat16):
+        pred = dense_forward(head, ids[:, 1:], f[:, :-1] + noise[:, :-1]).float()   # ~ f[:, 1:]
+    kl = _topk_kl(head, pred, topk_ids[:, 1:], topk_logp[:, 1:], cfg.num_negatives, generator)
+    feat = F.smooth_l1_loss(pred, f[:, 1:])
+    loss = kl + cfg.feature_loss * feat
+    extra = {"kl1": round(kl.item(), 4), "feat": round(feat.item(), 4)}
+    if cfg.unroll >= 2:  # pass 2: its own predictions as features, scored one token further
+        with torch.autocast(f.device.type, dtype=torch.bfloat16):
+            pred2 = dense_forward(head, ids[:, 2:], pred[:, :-1]).float()            # ~ f[:, 2:]
+        kl2 = _topk_kl(head, pred2, topk_ids[:, 2:], topk_logp[:, 2:], cfg.num_negatives, generator)
+        loss = loss + 0.5 * (kl2 + cfg.feature_loss * F.smooth_l1_loss(pred2, f[:, 2:]))
+        extra["kl2"] = round(kl2.item(), 4)
+    return loss, extra
+
+
+@torch.inference_mode()
+def dense_chain(head, features: torch.Tensor, tokens: list[int], c: int, k: int) -> list[int]:
+    """Greedy drafts of the engine's proposal at num_computed_tokens = c: the head reads real
+    features f_0..f_{c-1} with tokens 1..c, then its own predictions with its own drafts."""
+    ids, rows, out = list(tokens[1:c + 1]), features[:c], []
+    for _ in range(k):
+        pred = dense_forward(head, torch.tensor([ids], device=features.device), rows[None])[0, -1]
+        tok = int(head.compute_logits(pred[None]).argmax())
+        out.append(tok)
+        ids.append(tok)
+        rows = torch.cat([rows, pred[None].to(rows.dtype)])
+    return out
+
+
+@torch.inference_mode()
+def evaluate_head(head, teacher, items: list[dict], k: int = 5) -> dict:
+    """Per domain: teacher-forced top-1 agreement; for greedy target answers also the mean
+    acceptance length of replayed K-token greedy drafting (the engine's chain, exactly)."""
+    report: dict[str, dict] = {}
+    for item in items:
+        ids = torch.tensor([item["ids"]], device=teacher.device)
+        feats = teacher.model(ids).last_hidden_state[0].float()          # [L, H]
+        target_next = teacher.lm_head(feats).argmax(-1).tolist()          # token p + 1 the target picks
+        lo = max(item["start"] - 1, 1)
+        pred = dense_forward(head, ids[:, 1:], feats[None, :-1])[0]       # ~ f_{p+1}
+        head_next = head.compute_logits(pred).argmax(-1).tolist()         # its guess of token p + 2
+        agree = [head_next[p - 1] == target_next[p] for p in range(lo, len(target_next) - 1)]
+        r = report.setdefault(item["domain"], {"tokens": 0, "agree": 0, "steps": 0, "emitted": 0, "one_step": []})
+        r["tokens"] += len(agree)
+        r["agree"] += sum(agree)
+        if item.get("greedy"):
+            r["one_step"].append((simulated_acceptance_length(agree, k), len(agree)))
+            tokens, c = item["ids"], item["start"]        # replay: c tokens computed, token c just sampled
+            while c < len(tokens) - 1:
+                drafts = dense_chain(head, feats, tokens, c, min(k, len(tokens) - 1 - c))
+                run = next((i for i, (d, t) in enumerate(zip(drafts, tokens[c + 1:])) if d != t), len(drafts))
+                r["steps"] += 1
+                r["emitted"] += run + 1
+                c += run + 1
+    out = {}
+    for domain, r in report.items():
+        out[domain] = {"tokens": r["tokens"], "top1_agreement": round(r["agree"] / max(r["tokens"], 1), 4)}
+        if r["steps"]:
+            out[domain][f"replayed_accept_len_k{k}"] = round(r["emitted"] / r["steps"], 3)
+    return out
+
+
+def train_eagle(cfg) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec.models.loader import load_model
+    from specdec.runtime.device import resolve_device
+
+    device = resolve_device(cfg.device)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    target_dir = resolve_target(cfg.target)
+    work, out = cfg.work_path, Path(cfg.out).expanduser()
+    work.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    teacher = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).to(device).eval()
+    stats = cfg.stats
+
+    t = time.time()
+    data = corpus_lib.build_corpus(target_dir, tokenizer, cfg, work)
+    stats["corpus_s"] = round(time.time() - t, 1)
+    stats["corpus_tokens"] = data["chunks"].numel()
+    t = time.time()
+    feats, topk_ids, topk_logp = cache_features(teacher, data["chunks"], cfg, work / "eagle_teacher")
+    stats["teacher_s"] = round(time.time() - t, 1)
+
+    target = load_model(str(target_dir), torch.float32, device)     # the frozen embedding + LM head
+    for p in target.parameters():
+        p.requires_grad_(False)
+    head = init_head(target, seed=cfg.seed).to(device)
+    chunks = data["chunks"]
+
+    def loss_fn(idx, generator):
+        return eagle_loss(head, chunks[idx].to(device), feats[idx].to(device), topk_ids[idx].to(device),
+                          topk_logp[idx].to(device), cfg, generator)
+
+    extra = {"target": str(cfg.target), "corpus_tokens": stats["corpus_tokens"]}
+    t = time.time()
+    log = train(head, chunks, cfg, lambda model: save_head(model, out, extra), loss_fn)
+    stats["train_s"] = round(time.time() - t, 1)
+    stats["train_total_s"] = log[-1]["elapsed_s"] if log else 0.0
+    stats["final_train_loss"] = sum(r["kl_topk"] for r in log[-20:]) / max(1, len(log[-20:]))
+
+    t = time.time()
+    head.eval()
+    report = evaluate_head(head, teacher.float(), data["eval"])
+    stats["eval_s"] = round(time.time() - t, 1)
+    report["_stats"] = stats
+    (work / "eval.json").write_text(json.dumps(report, indent=1))
+    return report
