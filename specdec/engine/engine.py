@@ -81,6 +81,8 @@ class LLMEngine:
 
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
+        t_start = time.perf_counter()
+        emitted_before = self.spec_metrics.num_emitted_tokens
         self.plan_speculation()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -96,6 +98,9 @@ class LLMEngine:
         if self.proposer is not None and self.proposer.needs_target_hidden:
             self.proposer.observe_target(sched.requests, *self._target_rows, self.runner.last_hidden)
         self.record_step(sched, proposal, t1 - t0, t2 - t1, t3 - t2)
+        if self.spec_controller is not None:
+            self.spec_controller.observe_outcome(sched, proposal, self.spec_metrics.num_emitted_tokens - emitted_before,
+                                                 time.perf_counter() - t_start)
         return outputs
 
     def plan_speculation(self) -> None:

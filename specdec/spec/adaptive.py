@@ -320,3 +320,56 @@ def choose_num_spec_tokens(
     throughput = value / np.maximum(seconds, 1e-30)
     best = int(np.flatnonzero(throughput >= throughput.max() * (1.0 - 1e-9))[0])
     return np.bincount(owner[:best], minlength=num_requests).tolist()
+
+
+class ThroughputGuard:
+    """The cost model's check against reality: realised tokens per second of whole steps
+    (proposal, target, verification, commit) that speculated vs steps that did not, per
+    batch-size bucket (decoding requests, rounded down to a power of two), as ratios of EMAs.
+
+    The cost model prices forward passes only; what it misses (a proposer's host time, the
+    verification path, acceptance that changed since it was estimated) can make "auto" lose to
+    plain decoding by a few percent. So: when speculating steps have been slower than plain ones
+    in this bucket, ``allow`` says no, except on every ``probe_every``-th step (to notice when
+    drafts start paying again); while speculation is allowed, every ``probe_every``-th step is
+    plain (to keep that rate current). The probes bound the guard's own cost at about
+    1 / probe_every of the difference between the two rates."""
+
+    def __init__(self, probe_every: int = 32, min_steps: int = 6, ema_rate: float = 0.1, margin: float = 0.0):
+        if probe_every < 2 or min_steps < 1 or not 0.0 < ema_rate <= 1.0 or not 0.0 <= margin < 1.0:
+            raise ValueError(f"bad ThroughputGuard settings: probe_every={probe_every}, min_steps={min_steps}, "
+                             f"ema_rate={ema_rate}, margin={margin}")
+        self.probe_every, self.min_steps, self.ema_rate, self.margin = probe_every, min_steps, ema_rate, margin
+        # bucket -> [steps seen, tokens EMA, seconds EMA, observations] per arm ("spec", "plain")
+        self._arms: dict[int, dict[str, list[float]]] = {}
+        self._steps: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(num_decoding: int) -> int:
+        return max(1, num_decoding).bit_length()
+
+    def rate(self, num_decoding: int, arm: str) -> float | None:
+        stats = self._arms.get(self.bucket(num_decoding), {}).get(arm)
+        if stats is None or stats[2] < self.min_steps:
+            return None
+        return stats[0] / stats[1] if stats[1] > 0 else None
+
+    def allow(self, num_decoding: int) -> bool:
+        """Whether this step may speculate (the planner still chooses K per request)."""
+        b = self.bucket(num_decoding)
+        step = self._steps.get(b, 0)
+        self._steps[b] = step + 1
+        probe = step % self.probe_every == self.probe_every - 1
+        spec, plain = self.rate(num_decoding, "spec"), self.rate(num_decoding, "plain")
+        losing = spec is not None and plain is not None and spec < plain * (1.0 - self.margin)
+        return probe if losing else not probe
+
+    def observe(self, num_decoding: int, speculated: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0.0 or tokens <= 0:
+            return
+        arms = self._arms.setdefault(self.bucket(num_decoding), {})
+        stats = arms.setdefault("spec" if speculated else "plain", [0.0, 0.0, 0])
+        rate = max(self.ema_rate, 1.0 / (stats[2] + 1))  # averages the first observations, then an EMA
+        stats[0] += rate * (tokens - stats[0])
+        stats[1] += rate * (seconds - stats[1])
+        stats[2] += 1

@@ -15,12 +15,14 @@ class SpecController:
         self.draft_is_model = draft_is_model
         self.cost = None
         self.acceptance = None
+        self.guard = None
         self._plan: dict[str, int] = {}
         if adaptive:
-            from specdec.spec.adaptive import AcceptanceEstimator, StepCostModel
+            from specdec.spec.adaptive import AcceptanceEstimator, StepCostModel, ThroughputGuard
 
             self.cost = StepCostModel()
             self.acceptance = AcceptanceEstimator()
+            self.guard = ThroughputGuard()
 
     @classmethod
     def build(cls, spec, proposer, runner, draft_runner, cfg) -> SpecController:
@@ -52,8 +54,11 @@ class SpecController:
         others = sum(r.num_tokens - r.num_computed_tokens for r in running if not r.is_decoding)
         # per-position conditional acceptance: copy-style proposers accept in bursts
         alphas = [self.acceptance.position_acceptance(r.request_id) for r in reqs]
-        ks = choose_num_spec_tokens(alphas, self.max_k, self.cost, num_other_tokens=others,
-                                    draft_per_token=self.draft_is_model) if reqs else []
+        if reqs and not others and not self.guard.allow(len(reqs)):
+            ks = [0] * len(reqs)  # speculating steps have been slower than plain ones lately
+        else:
+            ks = choose_num_spec_tokens(alphas, self.max_k, self.cost, num_other_tokens=others,
+                                        draft_per_token=self.draft_is_model) if reqs else []
         self._plan = {r.request_id: k for r, k in zip(reqs, ks)}
 
     def observe_acceptance(self, req: Request, num_drafted: int, num_accepted: int) -> None:
@@ -69,6 +74,13 @@ class SpecController:
             steps = max(len(d) for d in proposal.draft_token_ids)
             self.cost.observe("draft", num_drafting, t_draft / steps)
         self._plan = {}
+
+    def observe_outcome(self, sched, proposal, num_emitted: int, seconds: float) -> None:
+        """A whole step's tokens and wall time, for the throughput guard (pure decode/verify steps only)."""
+        if self.guard is None or any(n != 1 for n in sched.num_scheduled_tokens):
+            return
+        speculated = any(proposal.draft_token_ids)
+        self.guard.observe(len(sched.requests), speculated, num_emitted, seconds)
 
     def forget(self, req: Request) -> None:
         if self.acceptance is not None:

@@ -240,3 +240,35 @@ def test_validation_and_empty_batch():
     with pytest.raises(ValueError, match="num_other_tokens"):
         choose_num_spec_tokens([0.5], 4, StepCostModel(), num_other_tokens=-3)
     assert np.all(np.array(choose_num_spec_tokens([0.5] * 300, 16, StepCostModel())) == 16)
+
+
+def test_throughput_guard_backs_off_when_speculating_steps_are_slower():
+    from specdec.spec.adaptive import ThroughputGuard
+
+    guard = ThroughputGuard(probe_every=8, min_steps=4)
+    # no evidence yet: speculation allowed, with a plain probe every 8th step
+    assert [guard.allow(4) for _ in range(8)] == [True] * 7 + [False]
+    for _ in range(6):
+        guard.observe(4, speculated=True, tokens=5, seconds=0.012)   # 417 tokens/s
+        guard.observe(4, speculated=False, tokens=4, seconds=0.008)  # 500 tokens/s
+    assert guard.rate(4, "spec") < guard.rate(4, "plain")
+    decisions = [guard.allow(5) for _ in range(16)]  # 5 decoding requests: same bucket as 4
+    assert decisions.count(True) == 2 and decisions[7] and decisions[15]  # only the probes speculate
+    # other batch sizes keep their own evidence
+    assert guard.allow(16)
+    # drafts start paying: the spec rate recovers past the plain one and speculation resumes
+    for _ in range(30):
+        guard.observe(4, speculated=True, tokens=12, seconds=0.012)
+    assert guard.rate(4, "spec") > guard.rate(4, "plain")
+    assert sum(guard.allow(4) for _ in range(16)) == 14
+
+
+def test_throughput_guard_ignores_empty_steps_and_rejects_bad_settings():
+    from specdec.spec.adaptive import ThroughputGuard
+
+    guard = ThroughputGuard(min_steps=1)
+    guard.observe(2, speculated=True, tokens=0, seconds=0.01)
+    guard.observe(2, speculated=True, tokens=3, seconds=0.0)
+    assert guard.rate(2, "spec") is None
+    with pytest.raises(ValueError, match="probe_every"):
+        ThroughputGuard(probe_every=1)

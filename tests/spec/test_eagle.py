@@ -102,7 +102,7 @@ def test_greedy_identical_with_eagle_in_mixed_batches(llama_path, head_path, pro
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
     llm = LLM(model=llama_path, **ENGINE, speculative_config={"method": "eagle", "model": head_path,
-                                                              "num_speculative_tokens": "auto"})
+                                                              "num_speculative_tokens": 2})
     params = [greedy if i % 3 else SamplingParams(temperature=0.8, seed=i, max_tokens=20, ignore_eos=True)
               for i in range(len(prompts))]
     outs = llm.generate(prompts, params, use_tqdm=False)
