@@ -12,7 +12,7 @@ import time
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.models.default import DEFAULT_TARGET, default_engine_kwargs
+from specdec.models.default import DEFAULT_TARGET, default_engine_kwargs, draft_spec_config
 
 HELD_OUT = [
     "Write a Python function that merges two sorted lists.",
@@ -35,8 +35,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     _, spec_kwargs = default_engine_kwargs()
-    if args.draft:
-        spec_kwargs["speculative_config"]["model"] = args.draft
+    if args.draft:  # an EAGLE head or a Llama draft
+        spec_kwargs["speculative_config"] = draft_spec_config(args.draft)
     plain = LLM(model=DEFAULT_TARGET, max_model_len=1024)
     spec = LLM(model=DEFAULT_TARGET, max_model_len=1024, **spec_kwargs)
     # the acceptance figure the issue asks for: fixed K=5 (auto drafts only where it pays)

@@ -1,5 +1,6 @@
 """The embedded default pair: SmolLM2-135M-Instruct (pulled from PyPI on first use) as the
-target and a draft distilled from it by ``specdec train-draft``, shipped inside the package."""
+target and a draft made for it by ``specdec train-draft``, shipped inside the package: an EAGLE
+head (``--arch eagle``) or a small Llama draft, whichever the folder holds."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,10 +15,15 @@ def default_engine_kwargs() -> tuple[str, dict]:
     if not (DEFAULT_DRAFT_DIR / "config.json").is_file():
         # a checkout without the shipped draft still runs, with draft-free speculation
         return DEFAULT_TARGET, {"speculative_config": {"method": "ngram", "num_speculative_tokens": "auto"}}
-    return DEFAULT_TARGET, {
-        "speculative_config": {
-            "method": "draft_model", "model": str(DEFAULT_DRAFT_DIR),
-            "num_speculative_tokens": DEFAULT_NUM_SPEC_TOKENS,
-            "max_num_speculative_tokens": DEFAULT_MAX_SPEC_TOKENS,
-        }
-    }
+    return DEFAULT_TARGET, {"speculative_config": draft_spec_config(DEFAULT_DRAFT_DIR)}
+
+
+def draft_spec_config(path: str | Path, num_speculative_tokens: int | str = DEFAULT_NUM_SPEC_TOKENS) -> dict:
+    """speculative_config for a draft folder: method "eagle" for an EAGLE head, else "draft_model"."""
+    from specdec.models.eagle import is_eagle_folder
+
+    spec = {"method": "eagle" if is_eagle_folder(path) else "draft_model", "model": str(path),
+            "num_speculative_tokens": num_speculative_tokens}
+    if num_speculative_tokens == "auto":
+        spec["max_num_speculative_tokens"] = DEFAULT_MAX_SPEC_TOKENS
+    return spec

@@ -25,3 +25,24 @@ def time_forward(runner, num_tokens: int, repeats: int = 2) -> float:
         synchronize(runner.device)
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def time_verify_forward(runner, num_reqs: int, query_len: int, context: int, repeats: int = 5) -> float:
+    """Best-of-``repeats`` seconds of one forward where each of ``num_reqs`` requests feeds
+    ``query_len`` rows (1: decode; K + 1: verification) after ``context`` cached positions.
+    Writes KV into blocks it does not own: call it before the engine serves any request."""
+    bs = runner.block_size
+    per_req = -(-(context + query_len) // bs)
+    if num_reqs * per_req > runner.num_blocks:
+        raise ValueError(f"{num_reqs} requests of {context + query_len} tokens need {num_reqs * per_req} KV blocks; "
+                         f"the cache has {runner.num_blocks}")
+    tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(num_reqs)]
+    batch = runner.prepare([[1] * query_len] * num_reqs, [context] * num_reqs, tables,
+                           [list(range(query_len))] * num_reqs)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        runner.forward(batch)
+        synchronize(runner.device)
+        best = min(best, time.perf_counter() - t)
+    return best

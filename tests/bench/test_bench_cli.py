@@ -105,7 +105,12 @@ def test_sweep_extremes_and_plot(llama_path, tmp_path):
             (1 + 2 * (cell["acceptance"]["alpha"] == 1.0)) / (2 * cell["cost_ratio"] + 1))
         assert cell["efficiency"] == pytest.approx(cell["speedup"] / cell["leviathan_bound"])
         assert cell["greedy_agreement"]["identical_fraction"] == 1.0  # rejected drafts never change output
-    assert "efficiency (rows: a, columns: K)" in table
+        assert cell["forward_cost_ratio"] > 0
+        assert cell["hardware_bound"] == pytest.approx(
+            (1 + 2 * (cell["acceptance"]["alpha"] == 1.0)) / (2 * cell["cost_ratio"] + cell["forward_cost_ratio"]))
+        assert cell["engine_efficiency"] == pytest.approx(cell["speedup"] / cell["hardware_bound"])
+    assert "efficiency vs the Leviathan bound (rows: a, columns: K)" in table
+    assert "engine efficiency vs the hardware bound (rows: a, columns: K)" in table
     assert (tmp_path / "s.png").stat().st_size > 1000
 
 
