@@ -1,7 +1,10 @@
 """``specdec bench workloads``: draft-free speculation on the workloads it is for, and against.
 
-- ``grounded``: edit a given Python file and print it back whole (outputs repeat long spans of
-  the prompt): where prompt lookup / suffix decoding should pay most.
+- ``grounded``: edit a given Python function and print it back whole (outputs repeat long spans
+  of the prompt): where prompt lookup / suffix decoding should pay most. The answer cap
+  (``--grounded-output-len``, 1024) leaves room for the whole function: a cap below it would
+  time a truncated edit, mostly the prompt's prefill (~2,400 prompt tokens in all, which no
+  proposer speeds up).
 - ``open``: open-ended writing with no source to copy: drafts are poor, and ``"auto"`` must
   stay within a few percent of no speculation.
 - ``batch``: many open-ended requests at once (verification is no longer free): ``"auto"``
@@ -84,7 +87,8 @@ def bench_workloads(args) -> dict:
         configs[f"{method}-auto"] = dict(spec, num_speculative_tokens="auto", max_num_speculative_tokens=args.k)
     engines = {name: LLM(model=args.model, speculative_config=spec, **base_kwargs) for name, spec in configs.items()}
     workloads = {
-        "grounded": (grounded_prompts(), args.output_len),
+        # an edit prints the file back whole: room for the longest function (946 tokens) and a comment
+        "grounded": (grounded_prompts(), args.grounded_output_len),
         "open": (open_prompts(4), args.output_len),
         "batch": (open_prompts(args.batch), args.output_len // 2),
     }
@@ -144,7 +148,9 @@ def add_workloads_parser(bench_sub) -> None:
     p.add_argument("--workloads", nargs="+", default=["grounded", "open", "batch"],
                    choices=["grounded", "open", "batch"])
     p.add_argument("--k", type=int, default=5)
-    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=256, help="open workload answer length (batch: half)")
+    p.add_argument("--grounded-output-len", type=int, default=1024,
+                   help="grounded workload answer cap: room to print the edited function back whole")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output-json", default=None)
