@@ -18,13 +18,7 @@ def time_forward(runner, num_tokens: int, repeats: int = 2) -> float:
     tables = [[(i * blocks_per_req + j) % runner.num_blocks for j in range(blocks_per_req + 1)] for i in range(num_reqs)]
     batch = runner.prepare([[1] * n for n in per_req], [ctx] * num_reqs, tables,
                            [list(range(n)) for n in per_req])
-    best = float("inf")
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
-        runner.forward(batch)
-        synchronize(runner.device)
-        best = min(best, time.perf_counter() - t)
-    return best
+    return _best_time(runner, batch, repeats)
 
 
 def time_verify_forward(runner, num_reqs: int, query_len: int, context: int, repeats: int = 5) -> float:
@@ -39,8 +33,12 @@ def time_verify_forward(runner, num_reqs: int, query_len: int, context: int, rep
     tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(num_reqs)]
     batch = runner.prepare([[1] * query_len] * num_reqs, [context] * num_reqs, tables,
                            [list(range(query_len))] * num_reqs)
+    return _best_time(runner, batch, repeats)
+
+
+def _best_time(runner, batch, repeats: int) -> float:
     best = float("inf")
-    for _ in range(repeats + 1):
+    for _ in range(repeats + 1):  # the first run warms up
         t = time.perf_counter()
         runner.forward(batch)
         synchronize(runner.device)

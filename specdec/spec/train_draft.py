@@ -390,9 +390,10 @@ def resolve_target(name_or_dir: str) -> Path:
     return Path(resolve_model(name_or_dir))
 
 
-def train_draft(cfg: TrainDraftConfig) -> dict:
-    """Run (or resume) all four phases; returns the held-out evaluation report."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+def prepare_run(cfg: TrainDraftConfig):
+    """Shared first steps of every architecture: device, threads, the target's folder, work and
+    output dirs, tokenizer, the bf16 teacher, and phase 1 (the corpus, cached)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdec.runtime.device import resolve_device
 
@@ -405,16 +406,23 @@ def train_draft(cfg: TrainDraftConfig) -> dict:
     (work / "config.json").write_text(json.dumps({**asdict(cfg), "stats": None}, indent=1))
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     teacher = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).to(device).eval()
+    t = time.time()
+    data = corpus_lib.build_corpus(target_dir, tokenizer, cfg, work)
+    cfg.stats["corpus_s"] = round(time.time() - t, 1)
+    cfg.stats["corpus_tokens"] = data["chunks"].numel()
+    return device, target_dir, work, out, tokenizer, teacher, data
+
+
+def train_draft(cfg: TrainDraftConfig) -> dict:
+    """Run (or resume) all four phases; returns the held-out evaluation report."""
+    from transformers import GenerationConfig
+
+    device, target_dir, work, out, tokenizer, teacher, data = prepare_run(cfg)
     try:
         generation_config = GenerationConfig.from_pretrained(target_dir)
     except OSError:
         generation_config = teacher.generation_config
     stats = cfg.stats
-
-    t = time.time()
-    data = corpus_lib.build_corpus(target_dir, tokenizer, cfg, work)
-    stats["corpus_s"] = round(time.time() - t, 1)
-    stats["corpus_tokens"] = data["chunks"].numel()
 
     t = time.time()
     topk_ids, topk_logp = cache_teacher(teacher, data["chunks"], cfg, work / "teacher")

@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from specdec.models.eagle import dense_forward, init_head, save_head
-from specdec.spec import draft_corpus as corpus_lib
 from specdec.spec.train_draft import (
-    FusedHeadTopKRestKL, _save_atomic, fingerprint, resolve_target, simulated_acceptance_length, train,
+    FusedHeadTopKRestKL, _save_atomic, fingerprint, prepare_run, simulated_acceptance_length, train,
 )
 
 ROWS_PER_SHARD = 64
@@ -145,25 +144,10 @@ def evaluate_head(head, teacher, items: list[dict], k: int = 5) -> dict:
 
 
 def train_eagle(cfg) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from specdec.models.loader import load_model
-    from specdec.runtime.device import resolve_device
 
-    device = resolve_device(cfg.device)
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    target_dir = resolve_target(cfg.target)
-    work, out = cfg.work_path, Path(cfg.out).expanduser()
-    work.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    teacher = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).to(device).eval()
+    device, target_dir, work, out, tokenizer, teacher, data = prepare_run(cfg)
     stats = cfg.stats
-
-    t = time.time()
-    data = corpus_lib.build_corpus(target_dir, tokenizer, cfg, work)
-    stats["corpus_s"] = round(time.time() - t, 1)
-    stats["corpus_tokens"] = data["chunks"].numel()
     t = time.time()
     feats, topk_ids, topk_logp = cache_features(teacher, data["chunks"], cfg, work / "eagle_teacher")
     stats["teacher_s"] = round(time.time() - t, 1)
