@@ -3,7 +3,7 @@
 # scripts/make_benchmarks_md.py then rebuilds BENCHMARKS.md from those files.
 #
 #   scripts/bench_all.sh            # everything (about an hour on 2 CPU cores)
-#   scripts/bench_all.sh latency    # one group: latency | throughput | sweep | compare | qwen | workloads
+#   scripts/bench_all.sh latency    # one group: latency | throughput | sweep | compare | qwen | workloads | default
 #
 # The checkpoints are random (speed does not depend on weight values) and live outside the
 # repository: a TinyLlama-1.1B-shaped Llama in bf16 and a 1-layer draft cut from it.
@@ -86,6 +86,11 @@ fi
 if want workloads; then
     $SPECDEC bench workloads --model SmolLM2-135M-Instruct --methods ngram suffix --k 5 --repeats 3 \
         --output-json "$OUT/workloads_smollm2.json"
+fi
+
+if want default; then
+    # the embedded default pair on held-out chat prompts (batch 1, "auto" K and fixed K=5)
+    $PYTHON scripts/default_pair_eval.py --repeats 3 --max-tokens 96 --out "$OUT/default_pair_eval.json"
 fi
 
 $PYTHON scripts/make_benchmarks_md.py

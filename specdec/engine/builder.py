@@ -130,7 +130,7 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     tokenizer = load_tokenizer(resolve_model_path(cfg.tokenizer) if cfg.tokenizer else path)
     max_model_len = _max_model_len(config, cfg.max_model_len)
     attn_backend = _attention_backend(cfg, device)
-    model = prepare_for_inference(load_model(path, dtype, device, attn_backend, config), cfg.quantization, device)
+    model = load_model(path, dtype, device, attn_backend, config)
 
     spec = cfg.speculative_config
     max_k = spec.max_k if spec else 0
@@ -158,8 +158,11 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
             raise ValueError(f"speculative_config.model {spec.model!r} is not an EAGLE head (its config.json has no "
                              f"'specdec_eagle' entry); make one with `specdec train-draft --arch eagle`")
         draft_dtype = dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, device)
-        draft_model = load_head(head_path, model, draft_dtype, device, attn_backend)
+        # attached before the target's linears are packed: the head copies rows of its LM head
+        draft_model = prepare_for_inference(load_head(head_path, model, draft_dtype, device, attn_backend),
+                                            spec.quantization, device)
         bytes_per_block += ModelRunner.kv_bytes_per_block(draft_model.config, cfg.block_size, draft_dtype)
+    model = prepare_for_inference(model, cfg.quantization, device)
     num_blocks = _num_blocks(cfg, device, bytes_per_block, max_model_len, max_k)
     runner = ModelRunner(model, num_blocks, cfg.block_size, device, dtype)
     kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specdec.layers.attention import AttentionMetadata
@@ -45,6 +46,11 @@ class EagleHead(nn.Module):
         theta, scaling = _rope_params(config)
         self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
         self.target: list[LlamaForCausalLM] = []  # shared embedding + LM head; a list so it is not a submodule
+        # optional draft vocabulary: the target's most frequent tokens; drafting scores only
+        # those rows of the LM head (on a 49k-vocab 135M target the full head is a fifth of a
+        # target step per draft token). Drafts never propose other tokens: a miss, never an error.
+        self.register_buffer("draft_vocab", None)
+        self._vocab_weight: torch.Tensor | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -59,6 +65,19 @@ class EagleHead(nn.Module):
             raise ValueError(f"EAGLE head hidden_size {self.config.hidden_size} does not match the target's "
                              f"{target.config.hidden_size}")
         self.target = [target]
+        self.set_draft_vocab(self.draft_vocab)
+
+    def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Restrict drafting to ``token_ids`` (None: the whole vocabulary). Needs the target's
+        LM head as a plain weight: attach before ``prepare_for_inference`` packs it."""
+        self.draft_vocab = None if token_ids is None else token_ids.to(torch.long)
+        self._vocab_weight = None
+        if token_ids is not None and self.target:
+            weight = getattr(self.target[0].lm_head, "weight", None)
+            if weight is None:
+                raise ValueError("the target's LM head is already packed/quantized: attach the EAGLE head first")
+            self.draft_vocab = self.draft_vocab.to(weight.device)
+            self._vocab_weight = weight.detach()[self.draft_vocab].contiguous()
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata,
                 features: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,12 +92,18 @@ class EagleHead(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target[0].compute_logits(hidden)
+        if self._vocab_weight is None:
+            return self.target[0].compute_logits(hidden)
+        small = F.linear(hidden.to(self._vocab_weight.dtype), self._vocab_weight).float()  # [N, n]
+        out = small.new_full((hidden.shape[0], self.target[0].config.vocab_size), float("-inf"))
+        return out.index_copy_(1, self.draft_vocab, small)
 
     def load_weights(self, weights) -> None:
         """Hugging Face names (q/k/v, gate/up separate) -> the fused layer, through the Llama loader."""
         weights = list(weights)
-        own = {n: t for n, t in weights if not n.startswith("layers.")}
+        own = {n: t for n, t in weights if not n.startswith("layers.") and n != "draft_vocab"}
+        vocab = [t for n, t in weights if n == "draft_vocab"]
+        self.draft_vocab = vocab[0].to(torch.long) if vocab else None
         params = dict(self.named_parameters())
         for name, tensor in own.items():
             if name not in params:
@@ -116,7 +141,10 @@ def hf_state_dict(head: EagleHead) -> dict[str, torch.Tensor]:
                 "layers.0.mlp.down_proj.weight": layer.mlp.down_proj.weight,
                 "layers.0.input_layernorm.weight": layer.input_layernorm.weight,
                 "layers.0.post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
-    return {k: v.detach().contiguous() for k, v in out.items()}
+    out = {k: v.detach().contiguous() for k, v in out.items()}
+    if head.draft_vocab is not None:
+        out["draft_vocab"] = head.draft_vocab.detach().cpu().contiguous()
+    return out
 
 
 def head_config(target_config, intermediate_size: int | None = None):
@@ -148,7 +176,8 @@ def save_head(head: EagleHead, out: Path, extra: dict | None = None) -> None:
     config.update(architectures=["SpecdecEagleHead"], torch_dtype="bfloat16",
                   **{EAGLE_KEY: {"target_hidden_size": head.config.hidden_size, **(extra or {})}})
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    save_file({k: v.to(torch.bfloat16) for k, v in hf_state_dict(head).items()}, str(tmp / "model.safetensors"))
+    save_file({k: v if not v.is_floating_point() else v.to(torch.bfloat16) for k, v in hf_state_dict(head).items()},
+              str(tmp / "model.safetensors"))
     if out.exists():
         shutil.rmtree(out)
     tmp.replace(out)
@@ -175,8 +204,6 @@ def dense_forward(head: EagleHead, input_ids: torch.Tensor, features: torch.Tens
     [B, S, H] (f_p) -> predicted f_{p+1} [B, S, H], causal attention within each row, no KV cache.
     The same modules as the paged path, with the layer's attention swapped for dense SDPA."""
     from types import SimpleNamespace
-
-    import torch.nn.functional as F
 
     from specdec.layers.attention import AttentionBackend
 

@@ -71,6 +71,7 @@ class TrainDraftConfig:
     feature_loss: float = 0.5         # eagle: weight of the smooth-L1 feature regression next to the KL
     feature_noise: float = 0.1        # eagle: uniform noise on input features, as a fraction of their std
     unroll: int = 2                   # eagle: 2 = also train on its own predicted features (drafting position 2)
+    draft_vocab_size: int = 16384     # eagle: draft only the corpus's most frequent tokens (0: the whole vocab)
     progress: bool = True
     stats: dict = field(default_factory=dict)  # filled by the run: phase times, final metrics
 
@@ -468,6 +469,7 @@ _FLAG_HELP = {
     "num_threads": "CPU threads (on a shared machine also export OMP_WAIT_POLICY=PASSIVE)",
     "feature_loss": "eagle: weight of the feature regression loss", "feature_noise": "eagle: input feature noise",
     "unroll": "eagle: 2 trains drafting position 2 on the head's own predictions too",
+    "draft_vocab_size": "eagle: LM-head rows scored when drafting (the corpus's most frequent tokens; 0: all)",
 }
 
 

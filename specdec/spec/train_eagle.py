@@ -96,6 +96,13 @@ def eagle_loss(head, ids, feats, topk_ids, topk_logp, cfg, generator):
     return loss, extra
 
 
+def frequent_tokens(chunks: torch.Tensor, n: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The n most frequent token ids of the corpus (sorted), and the share of its tokens they cover."""
+    counts = torch.bincount(chunks.flatten(), minlength=vocab_size)[:vocab_size]
+    top = counts.topk(min(n, vocab_size)).indices.sort().values
+    return top, float(counts[top].sum() / counts.sum())
+
+
 @torch.inference_mode()
 def dense_chain(head, features: torch.Tensor, tokens: list[int], c: int, k: int) -> list[int]:
     """Greedy drafts of the engine's proposal at num_computed_tokens = c: the head reads real
@@ -165,6 +172,11 @@ def train_eagle(cfg) -> dict:
     extra = {"target": str(cfg.target), "corpus_tokens": stats["corpus_tokens"]}
     t = time.time()
     log = train(head, chunks, cfg, lambda model: save_head(model, out, extra), loss_fn)
+    if cfg.draft_vocab_size:
+        vocab, coverage = frequent_tokens(chunks, cfg.draft_vocab_size, target.config.vocab_size)
+        head.set_draft_vocab(vocab.to(device))
+        stats["draft_vocab_size"], stats["draft_vocab_corpus_coverage"] = len(vocab), round(coverage, 4)
+        save_head(head, out, {**extra, "draft_vocab_size": len(vocab)})
     stats["train_s"] = round(time.time() - t, 1)
     stats["train_total_s"] = log[-1]["elapsed_s"] if log else 0.0
     stats["final_train_loss"] = sum(r["kl_topk"] for r in log[-20:]) / max(1, len(log[-20:]))

@@ -114,3 +114,23 @@ def test_greedy_identical_with_eagle_in_mixed_batches(llama_path, head_path, pro
     assert not llm.engine.proposer.features  # finished requests leave no features behind
     engine = llm.engine
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_draft_vocabulary_restricts_drafts_and_stays_lossless(llama_path, target, head_path, tmp_path, prompts):
+    head = load_head(head_path, target, torch.float32, torch.device("cpu"), TORCH_BACKEND)
+    vocab = torch.arange(0, 320, 2)  # even token ids only
+    head.set_draft_vocab(vocab)
+    logits = head.compute_logits(torch.randn(5, target.config.hidden_size))
+    assert torch.isinf(logits[:, 1::2]).all() and torch.isfinite(logits[:, 0::2]).all()
+    save_head(head, tmp_path / "head")
+    llm = LLM(model=llama_path, **ENGINE, speculative_config={"method": "eagle", "model": str(tmp_path / "head"),
+                                                              "num_speculative_tokens": 3})
+    proposals = []
+    inner = llm.engine.proposer.propose
+    llm.engine.proposer.propose = lambda r, k: proposals.append(inner(r, k)) or proposals[-1]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in LLM(model=llama_path, **ENGINE).generate(prompts[:4], params, use_tqdm=False)]
+    assert got == want
+    drafted = [t for p in proposals for d in p.draft_token_ids for t in d]
+    assert drafted and all(t % 2 == 0 for t in drafted)
