@@ -97,9 +97,12 @@ def eagle_loss(head, ids, feats, topk_ids, topk_logp, cfg, generator):
 
 
 def frequent_tokens(chunks: torch.Tensor, n: int, vocab_size: int) -> tuple[torch.Tensor, float]:
-    """The n most frequent token ids of the corpus (sorted), and the share of its tokens they cover."""
+    """The n most frequent token ids of the corpus (sorted), and the share of its tokens they cover.
+    Tokens the corpus never shows are ranked by id: a byte-pair vocabulary numbers its merges in
+    the order its own training corpus found them frequent, so low ids are the common ones."""
     counts = torch.bincount(chunks.flatten(), minlength=vocab_size)[:vocab_size]
-    top = counts.topk(min(n, vocab_size)).indices.sort().values
+    score = counts.double() + torch.linspace(0.5, 0.0, vocab_size, dtype=torch.float64)  # ties: low id first
+    top = score.topk(min(n, vocab_size)).indices.sort().values
     return top, float(counts[top].sum() / counts.sum())
 
 
