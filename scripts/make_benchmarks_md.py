@@ -53,6 +53,11 @@ How to read these numbers:
 - The random checkpoints are built by `specdec bench make-model` (see `scripts/bench_all.sh`): speed
   does not depend on weight values; their greedy path has a wide logit margin so bf16 outputs are
   comparable across batch shapes (`greedy outputs identical` rows check it).
+- **fwd cost** (sweep) is the model's own forward over K+1 query rows per request over one row,
+  timed before any request; **hw bound** = `E(alpha, K) / (cK + fwd cost)` prices verification at
+  what this hardware charges for it; **engine eff** = speedup / hw bound is what the engine itself
+  loses (Python work, sampling, verification bookkeeping), the figure the efficiency goal is about.
+- `default_pair_eval.json` (the embedded default pair) is written by `scripts/default_pair_eval.py`.
 """
 
 

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from specdec import LLM, SamplingParams
+from specdec.models.default import draft_spec_config  # "eagle" for an EAGLE head folder, else "draft_model"
 
 pytestmark = [
     pytest.mark.real_model,
@@ -37,7 +38,7 @@ def test_greedy_speculative_equals_plain_in_float32(target, draft):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = LLM(model=target, dtype="float32", max_model_len=512).generate(CODE_PROMPTS, params, use_tqdm=False)
     spec = LLM(model=target, dtype="float32", max_model_len=512,
-               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 5})
+               speculative_config=draft_spec_config(draft, 5))
     outs = spec.generate(CODE_PROMPTS, params, use_tqdm=False)
     for a, b in zip(plain, outs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -52,7 +53,7 @@ def test_bf16_agreement_and_acceptance(target, draft):
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     plain = LLM(model=target, dtype="bfloat16", max_model_len=512).generate(CODE_PROMPTS, params, use_tqdm=False)
     spec = LLM(model=target, dtype="bfloat16", max_model_len=512,
-               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 5})
+               speculative_config=draft_spec_config(draft, 5))
     outs = spec.generate(CODE_PROMPTS, params, use_tqdm=False)
     agree = total = 0
     for a, b in zip(plain, outs):
