@@ -4,7 +4,8 @@ The "replay" proposer proposes the target's own greedy continuation (computed fi
 without speculation) and corrupts each token with probability 1 - a, so acceptance is set
 by the benchmark, not by a draft model, and drafting costs ~nothing (c ~ 0). For each K an
 engine is built (K is fixed per engine), ``proposer.acceptance`` is set between runs, and
-each repetition times the plain engine first, then every a, on the same prompts. The bound
+each repetition times, for every a, the plain engine and then the speculative one on the same
+prompts (each ratio from two adjacent runs). The bound
 uses the *measured* per-token acceptance and cost ratio; efficiency = speedup / bound
 isolates the engine's own overhead (a verify step costing more than a plain step,
 Python work per step, sampling) from the proposer's quality.
@@ -65,18 +66,20 @@ def measure(args) -> dict:
         llm = make_llm(_replay_args(args, k, args.acceptances[0]))
         driver.register_references(llm, prompts, references)
         driver.warmup(llm)
-        base_runs, spec_runs = [], {a: [] for a in args.acceptances}
+        base_runs, spec_runs = {a: [] for a in args.acceptances}, {a: [] for a in args.acceptances}
         for _ in range(args.num_iters):
             bandwidths.append(measure_bandwidth(args.bandwidth_mib << 20, repeats=3, device=base.engine.device))
-            base_runs.append(driver.timed_generate(base, prompts, params))
-            base_rates.append(base_runs[-1].decode_tokens_per_s)
             for a in args.acceptances:
+                # each speculative run right after its own plain run: this VM's memory bandwidth
+                # moves between phases minutes long, and a ratio of runs minutes apart moved with it
+                base_runs[a].append(driver.timed_generate(base, prompts, params))
+                base_rates.append(base_runs[a][-1].decode_tokens_per_s)
                 llm.engine.proposer.acceptance = a
                 spec_runs[a].append(driver.timed_generate(llm, prompts, params))
         for a in args.acceptances:
             cell = {"k": k, "acceptance_set": a, **summarize_runs(spec_runs[a]),
-                    **speculation_figures(llm, base_runs, spec_runs[a], None)}
-            cell["baseline_decode_tokens_per_s"] = median(r.decode_tokens_per_s for r in base_runs)
+                    **speculation_figures(llm, base_runs[a], spec_runs[a], None)}
+            cell["baseline_decode_tokens_per_s"] = median(r.decode_tokens_per_s for r in base_runs[a])
             # the bound with verification priced at what the forward over K + 1 rows measured
             cell["forward_cost_ratio"] = forward_ratio[k]
             cell["hardware_bound"] = expected_tokens_per_step(cell["acceptance"]["alpha"], k) / (
