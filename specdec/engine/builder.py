@@ -150,7 +150,8 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         draft_model = prepare_for_inference(
             load_model(draft_path, draft_dtype, device, attn_backend, draft_cfg), spec.quantization, device)
         bytes_per_block += ModelRunner.kv_bytes_per_block(draft_cfg, cfg.block_size, draft_dtype)
-    if spec is not None and spec.method == "eagle":
+    eagle = spec is not None and spec.method == "eagle"
+    if eagle:
         from specdec.models.eagle import is_eagle_folder, load_head
 
         head_path = resolve_model_path(spec.model)
@@ -170,7 +171,7 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     draft_runner = ModelRunner(draft_model, num_blocks, cfg.block_size, device, draft_dtype) if draft_model else None
     # EAGLE reads the target's hidden states, which captured graphs do not return: eager there
     if device.type == "cuda" and attn_backend.name == "triton" and not cfg.enforce_eager \
-            and not (spec is not None and spec.method == "eagle"):
+            and not eagle:
         _enable_graphs(cfg, runner, draft_runner, max_model_len, spec)
     vocab_size = config.vocab_size
     proposer = build_proposer(spec, draft_runner, kv, vocab_size) if spec else None

@@ -152,14 +152,15 @@ def head_config(target_config, intermediate_size: int | None = None):
     from transformers import LlamaConfig
 
     heads = target_config.num_attention_heads
+    theta, scaling = _rope_params(target_config)
     return LlamaConfig(
         hidden_size=target_config.hidden_size, num_attention_heads=heads,
         num_key_value_heads=_cfg(target_config, "num_key_value_heads", heads),
         head_dim=_cfg(target_config, "head_dim", target_config.hidden_size // heads),
         intermediate_size=intermediate_size or target_config.intermediate_size, num_hidden_layers=1,
         vocab_size=target_config.vocab_size, max_position_embeddings=target_config.max_position_embeddings,
-        rms_norm_eps=_cfg(target_config, "rms_norm_eps", 1e-6), rope_theta=_rope_params(target_config)[0],
-        rope_scaling=_rope_params(target_config)[1], hidden_act="silu", tie_word_embeddings=False)
+        rms_norm_eps=_cfg(target_config, "rms_norm_eps", 1e-6), rope_theta=theta,
+        rope_scaling=scaling, hidden_act="silu", tie_word_embeddings=False)
 
 
 def save_head(head: EagleHead, out: Path, extra: dict | None = None) -> None:

@@ -52,11 +52,11 @@ class SpecController:
 
         reqs = [r for r in running if r.sampling_params.use_speculation and r.is_decoding]
         others = sum(r.num_tokens - r.num_computed_tokens for r in running if not r.is_decoding)
-        # per-position conditional acceptance: copy-style proposers accept in bursts
-        alphas = [self.acceptance.position_acceptance(r.request_id) for r in reqs]
         if reqs and not others and not self.guard.allow(len(reqs)):
             ks = [0] * len(reqs)  # speculating steps have been slower than plain ones lately
         else:
+            # per-position conditional acceptance: copy-style proposers accept in bursts
+            alphas = [self.acceptance.position_acceptance(r.request_id) for r in reqs]
             ks = choose_num_spec_tokens(alphas, self.max_k, self.cost, num_other_tokens=others,
                                         draft_per_token=self.draft_is_model) if reqs else []
         self._plan = {r.request_id: k for r, k in zip(reqs, ks)}

@@ -21,6 +21,7 @@ from specdec.spec.proposer import DraftProposal, Proposer
 class DraftModelProposer(Proposer):
     name = "draft_model"
     has_draft_model = True
+    row_shift = 0  # draft s is fed at position num_tokens + s - 1 + row_shift (EAGLE: one earlier)
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, target_vocab_size: int):
         self.runner = runner
@@ -84,8 +85,8 @@ class DraftModelProposer(Proposer):
         return self.runner.prepare(feeds, starts, block_tables, [[len(f) - 1] for f in feeds])
 
     def _next_batch(self, reqs, rows, prev_rows, tokens, step: int, block_tables):
-        """Feed draft ``step`` (at position num_tokens + step - 1) for the requests in ``rows``."""
-        return self.runner.prepare([[t] for t in tokens], [reqs[j].num_tokens + step - 1 for j in rows],
+        """Feed draft ``step`` (at position num_tokens + step - 1 + row_shift) for the requests in ``rows``."""
+        return self.runner.prepare([[t] for t in tokens], [reqs[j].num_tokens + step - 1 + self.row_shift for j in rows],
                                    [block_tables[j] for j in rows], [[0]] * len(rows))
 
     def _finish(self, reqs: list[Request], ks: list[int]) -> None:

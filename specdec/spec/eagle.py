@@ -20,6 +20,7 @@ from specdec.spec.draft_model import DraftModelProposer
 class EagleProposer(DraftModelProposer):
     name = "eagle"
     needs_target_hidden = True
+    row_shift = -1  # head row p holds (f_p, token p + 1): draft s sits at num_computed_tokens + s - 1
 
     def __init__(self, runner, kv, target_vocab_size: int):
         super().__init__(runner, kv, target_vocab_size)
@@ -82,11 +83,10 @@ class EagleProposer(DraftModelProposer):
 
     def _next_batch(self, reqs, rows, prev_rows, tokens, step: int, block_tables):
         predicted = self.runner.last_hidden[self._prev_batch.logits_indices]  # [len(prev_rows), H]
-        if len(rows) != len(prev_rows):
-            keep = torch.tensor([prev_rows.index(j) for j in rows], device=predicted.device)
-            predicted = predicted.index_select(0, keep)
-        batch = self.runner.prepare([[t] for t in tokens], [reqs[j].num_computed_tokens + step - 1 for j in rows],
-                                    [block_tables[j] for j in rows], [[0]] * len(rows))
+        if len(rows) != len(prev_rows):  # rows only ever drop out, so they stay in order
+            slot = {j: i for i, j in enumerate(prev_rows)}
+            predicted = predicted.index_select(0, torch.tensor([slot[j] for j in rows], device=predicted.device))
+        batch = super()._next_batch(reqs, rows, prev_rows, tokens, step, block_tables)
         batch.features = predicted
         self._prev_batch = batch
         return batch

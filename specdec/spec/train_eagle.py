@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from specdec.models.eagle import dense_forward, init_head, save_head
 from specdec.spec.train_draft import (
-    FusedHeadTopKRestKL, _save_atomic, fingerprint, prepare_run, simulated_acceptance_length, train,
+    FusedHeadTopKRestKL, _save_atomic, fingerprint, prepare_run, train,
 )
 
 ROWS_PER_SHARD = 64
@@ -133,11 +133,10 @@ def evaluate_head(head, teacher, items: list[dict], k: int = 5) -> dict:
         pred = dense_forward(head, ids[:, 1:], feats[None, :-1])[0]       # ~ f_{p+1}
         head_next = head.compute_logits(pred).argmax(-1).tolist()         # its guess of token p + 2
         agree = [head_next[p - 1] == target_next[p] for p in range(lo, len(target_next) - 1)]
-        r = report.setdefault(item["domain"], {"tokens": 0, "agree": 0, "steps": 0, "emitted": 0, "one_step": []})
+        r = report.setdefault(item["domain"], {"tokens": 0, "agree": 0, "steps": 0, "emitted": 0})
         r["tokens"] += len(agree)
         r["agree"] += sum(agree)
         if item.get("greedy"):
-            r["one_step"].append((simulated_acceptance_length(agree, k), len(agree)))
             tokens, c = item["ids"], item["start"]        # replay: c tokens computed, token c just sampled
             while c < len(tokens) - 1:
                 drafts = dense_chain(head, feats, tokens, c, min(k, len(tokens) - 1 - c))

@@ -59,18 +59,12 @@ def test_roundtrip_and_bad_folder(target, head_path, llama_path):
 
 
 def reference_drafts(hf, head, tokens: list[int], num_computed: int, k: int) -> list[int]:
-    """Greedy drafts from the dense head fed the target's (transformers') hidden states."""
-    c = num_computed
+    """Greedy drafts from the dense head (``dense_chain``) fed the target's (transformers') hidden states."""
+    from specdec.spec.train_eagle import dense_chain
+
     with torch.no_grad():
-        feats = hf.model(torch.tensor([tokens[:c]])).last_hidden_state[0]  # f_0 .. f_{c-1}
-        ids, rows, out = list(tokens[1:c + 1]), [feats[p] for p in range(c)], []
-        for _ in range(k):
-            pred = dense_forward(head, torch.tensor([ids]), torch.stack(rows)[None])[0, -1]
-            tok = int(head.compute_logits(pred[None]).argmax())
-            out.append(tok)
-            ids.append(tok)
-            rows.append(pred)
-    return out
+        feats = hf.model(torch.tensor([tokens[:num_computed]])).last_hidden_state[0]  # f_0 .. f_{c-1}
+    return dense_chain(head, feats, tokens, num_computed, k)
 
 
 def test_engine_drafts_equal_dense_head_on_target_features(llama_path, head_path, target, prompts):
