@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import copy
 
-BENCH_COMMANDS = ("latency", "throughput", "sweep", "compare")
+BENCH_COMMANDS = ("latency", "throughput", "sweep", "compare", "profile")
 
 
 def add_common_args(p: argparse.ArgumentParser, output_len: int = 128) -> None:
@@ -49,11 +49,11 @@ def has_speculation(args) -> bool:
 
 
 def register_cli(subparsers) -> None:
-    from specdec.bench import compare, latency, sweep, throughput
+    from specdec.bench import compare, latency, profile, sweep, throughput
 
-    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, sweep, compare, serve")
+    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, sweep, compare, profile, workloads, serve")
     sub = bench.add_subparsers(dest="bench_command", required=True)
-    for module in (latency, throughput, sweep, compare):
+    for module in (latency, throughput, sweep, compare, profile):
         p = module.add_parser(sub)
         p.set_defaults(bench_parser=p)
     _register_serve(sub)

@@ -124,3 +124,24 @@ def plot_compare(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_profile(result: dict, path: str) -> None:
+    """One stacked bar per engine: ms per decode step by category."""
+    from specdec.bench.profile import CATEGORIES
+
+    plt = _pyplot()
+    engines = result["engines"]
+    names = list(engines)
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.8 * len(names)))
+    left = [0.0] * len(names)
+    for i, cat in enumerate(CATEGORIES):
+        widths = [engines[n]["breakdown_ms"][cat] for n in names]
+        ax.barh(names, widths, left=left, color=f"C{i}", label=cat)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set_xlabel("ms per decode step (profiled)")
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    ax.set_title(_title(result), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -179,3 +179,24 @@ def test_benchmarks_md_renders_a_serve_result_without_provenance(tmp_path):
     (tmp_path / "serve.json").write_text(json.dumps({"config": {"model": "m"}, "runs": [run], "ratios": []}))
     text = make_benchmarks_md.build(tmp_path)
     assert "not recorded" in text and "| spec " in text and "30.00" in text
+
+
+def test_profile_splits_a_step_into_its_parts(llama_path, tmp_path):
+    spec = json.dumps({"method": "replay", "acceptance": 1.0, "num_speculative_tokens": 3})
+    out = tmp_path / "profile.json"
+    table = run_cli(["bench", "profile", "--model", llama_path, "--dtype", "float32", "--input-len", "8",
+                     "--steps", "4", "--num-iters", "1", "--speculative-config", spec, "--output-json", str(out),
+                     "--plot", str(tmp_path / "profile.png")])
+    result = json.loads(out.read_text())
+    plain, replay = result["engines"]["no speculation"], result["engines"]["speculative (replay)"]
+    assert plain["tokens_per_step"] == 1.0 and replay["tokens_per_step"] == 4.0  # K=3, all accepted
+    for profile in (plain, replay):
+        ms = profile["breakdown_ms"]
+        # every labelled part was found: linears and attention inside the forward, sampling outside
+        assert ms["linear"] > 0 and ms["attention"] > 0 and ms["other kernels"] > 0
+        assert ms["verification + sampling"] > 0 and ms["engine Python"] > 0
+        assert sum(ms.values()) == pytest.approx(profile["profiled_step_ms"])
+        assert sum(profile["breakdown_fraction"].values()) == pytest.approx(1.0)
+    assert replay["breakdown_ms"]["draft"] > 0
+    assert "verification + sampling" in table and "step without profiler" in table
+    assert (tmp_path / "profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
