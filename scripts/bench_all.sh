@@ -3,7 +3,7 @@
 # scripts/make_benchmarks_md.py then rebuilds BENCHMARKS.md from those files.
 #
 #   scripts/bench_all.sh            # everything (about an hour on 2 CPU cores)
-#   scripts/bench_all.sh latency    # one group: latency | throughput | sweep | compare | qwen | workloads | default
+#   scripts/bench_all.sh latency    # one group: latency | profile | throughput | sweep | compare | qwen | workloads | default
 #
 # The checkpoints are random (speed does not depend on weight values) and live outside the
 # repository: a TinyLlama-1.1B-shaped Llama in bf16 and a 1-layer draft cut from it.
@@ -44,6 +44,15 @@ if want latency; then
         $SPECDEC bench latency --model "$MODEL" --batch-size "$bs" --input-len 128 --output-len 128 --num-iters 3 \
             --output-json "$OUT/latency_llama1b_bs$bs.json"
     done
+fi
+
+if want profile; then
+    # where one step's time goes: plain decoding and a K=5 verification step (replay, a=0.8)
+    $SPECDEC bench profile --model "$MODEL" --batch-size 1 --input-len 128 --steps 24 --num-iters 3 \
+        --speculative-config '{"method": "replay", "num_speculative_tokens": 5, "acceptance": 0.8}' \
+        --output-json "$OUT/profile_llama1b_bs1.json" --plot "$PLOTS/profile_llama1b_bs1.png"
+    $SPECDEC bench profile --model "$MODEL" --batch-size 32 --input-len 128 --steps 12 --num-iters 2 \
+        --output-json "$OUT/profile_llama1b_bs32.json"
 fi
 
 if want throughput; then

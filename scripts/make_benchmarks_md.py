@@ -17,9 +17,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-KIND_ORDER = ("latency", "throughput", "sweep", "compare", "workloads", "serve")
+KIND_ORDER = ("latency", "profile", "throughput", "sweep", "compare", "workloads", "serve")
 TITLES = {
     "latency": "Latency: decode tokens/s vs the roofline, speculation vs none",
+    "profile": "Profile of one decode step: where the time goes",
     "throughput": "Throughput: tokens/s vs batch size",
     "sweep": "Controlled acceptance (replay): efficiency over acceptance x K",
     "compare": "specdec vs Hugging Face transformers (same checkpoint, same prompts, same run)",

@@ -241,7 +241,7 @@ def paged_attention_torch(
     verification lengths) run that once per distinct query length, not once per request
     (measured: a batch-32 step with a few K > 0 requests cost 6-10% more than a pure decode
     step when it went request by request). The gather table and the mask are built once per
-    step, not once per layer (measured on the 1.1B Llama at K = 5: attention 10.1 -> X ms of a
+    step, not once per layer (measured on the 1.1B Llama at K = 5: attention 10.1 -> 5.3 ms of a
     52 ms step)."""
     if meta.uniform_query_len is None and meta.max_query_len > MAX_PADDED_QUERY_LEN:
         # prefill chunks among them: one call per length
