@@ -152,9 +152,80 @@ def render(data: dict) -> str:
     return module.render(data)
 
 
+def _verdict(value: float | None, goal: float, higher: bool = True) -> str:
+    if value is None:
+        return "not measured"
+    if (value >= goal) if higher else (value <= goal):
+        return "met"
+    return f"**missed by {abs(value - goal):.2f}**"
+
+
+def goals_table(results: list[tuple[Path, dict]]) -> str:
+    """The issues' goals next to what the recorded results measured (computed, never typed in)."""
+    from specdec.bench.report import format_table
+
+    by_name = {path.stem: data for path, data in results}
+    rows = []
+
+    def add(source: str, goal: str, value, target: float, higher: bool = True, shown: str | None = None):
+        rows.append([goal, shown if shown is not None else ("-" if value is None else f"{value:.2f}"),
+                     _verdict(value, target, higher), f"`{source}`"])
+
+    lat = by_name.get("latency_llama1b_bs1")
+    if lat:
+        add("latency_llama1b_bs1", "plain decoding, ~1B Llama, batch 1: >= 0.85 of the memory roofline",
+            lat.get("roofline_fraction"), 0.85)
+    sweep = by_name.get("sweep_llama1b")
+    if sweep:
+        cells = [c for c in sweep["cells"] if c["acceptance_set"] >= 0.7 and c["k"] <= 5]
+        for key, what in (("efficiency", "Leviathan efficiency"), ("engine_efficiency", "engine efficiency")):
+            values = sorted(c[key] for c in cells if c.get(key) is not None)
+            if values:
+                ok = sum(v >= 0.9 for v in values)
+                add("sweep_llama1b", f"{what} >= 0.9 for a >= 0.7, K <= 5 (worst cell; "
+                    f"{ok} of {len(values)} cells >= 0.9, median {values[len(values) // 2]:.2f})", values[0], 0.9)
+    cmp = by_name.get("compare_qwen_pair")
+    if cmp:
+        tps = {r["system"]: r["tokens_per_s"] for r in cmp["rows"]}
+        assisted = next((v for k, v in tps.items() if k.startswith("transformers assisted")), None)
+        for needle, target, what in (("draft_model K=5", 1.3, "bf16 draft"), ("int8 draft", 1.6, "int8 draft")):
+            ours = next((v for k, v in tps.items() if k.startswith("specdec") and needle in k
+                         and (what == "int8 draft" or "int8" not in k)), None)
+            ratio = ours / assisted if ours and assisted else None
+            add("compare_qwen_pair", f"Qwen2.5-Coder 1.5B + 0.5B, {what}: >= {target}x transformers' assisted "
+                "generation", ratio, target)
+    work = by_name.get("workloads_smollm2")
+    if work:
+        wl = work["workloads"]
+
+        def speedup(workload, row):
+            r = wl.get(workload, {}).get("rows", {}).get(row)
+            return r and r.get("speedup")
+        add("workloads_smollm2", "grounded (input-repeating) workload, n-gram: >= 2.5x", speedup("grounded", "ngram"),
+            2.5)
+        for row in ("ngram-auto", "suffix-auto"):
+            add("workloads_smollm2", f"open workload (poor drafts), {row}: within 3% of no speculation",
+                speedup("open", row), 0.97)
+            add("workloads_smollm2", f"batch 32, {row}: never slower than no speculation", speedup("batch", row), 1.0)
+    default = by_name.get("default_pair_eval")
+    if default:
+        k5 = default.get("k5", {})
+        add("default_pair_eval", "embedded default pair, K=5 greedy, held-out prompts: mean acceptance length >= 2.5",
+            k5.get("mean_acceptance_length"), 2.5)
+        add("default_pair_eval", "embedded default pair: a real speedup (auto K) over no speculation",
+            default.get("speedup"), 1.0)
+    if not rows:
+        return ""
+    return ("## Goals of the issues against the recorded results\n\n"
+            + format_table(["goal", "measured", "result", "from"], rows) + "\n")
+
+
 def build(folder: Path) -> str:
     parts = [PREAMBLE]
     results = load_results(folder)
+    goals = goals_table(results)
+    if goals:
+        parts.append(goals)
     if not results:
         parts.append(f"_No results in `{folder}` yet._\n")
     for path, data in results:
