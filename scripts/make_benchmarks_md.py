@@ -157,7 +157,8 @@ def _verdict(value: float | None, goal: float, higher: bool = True) -> str:
         return "not measured"
     if (value >= goal) if higher else (value <= goal):
         return "met"
-    return f"**missed by {abs(value - goal):.2f}**"
+    gap = abs(value - goal)
+    return f"**missed by {gap:.3f}**" if gap < 0.01 else f"**missed by {gap:.2f}**"
 
 
 def goals_table(results: list[tuple[Path, dict]]) -> str:

@@ -242,7 +242,9 @@ class LLMEngine:
 
     # ---- speculation policy & bookkeeping ----
     def spec_policy(self, req: Request) -> int:
-        return self.spec_controller.num_tokens_for(req, self.scheduler.running) if self.spec_controller else 0
+        if self.spec_controller is None:
+            return 0
+        return self.spec_controller.num_tokens_for(req, self.scheduler.running, len(self.scheduler.waiting))
 
     def observe_acceptance(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         if self.spec_controller is not None:

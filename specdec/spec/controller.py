@@ -40,15 +40,15 @@ class SpecController:
             self.cost.set("target", n, time_forward(runner, n))
             self.cost.set("draft", n, time_forward(draft_runner, n) if draft_runner is not None else 0.0)
 
-    def num_tokens_for(self, req: Request, running: list[Request]) -> int:
+    def num_tokens_for(self, req: Request, running: list[Request], num_waiting: int = 0) -> int:
         if not self.adaptive:
             return self.max_k
         if req is running[0] or not self._plan:
-            self._replan(running)
+            self._replan(running, num_waiting)
         return self._plan.get(req.request_id, 0)
 
-    def _replan(self, running: list[Request]) -> None:
-        from specdec.spec.adaptive import choose_num_spec_tokens
+    def _replan(self, running: list[Request], num_waiting: int = 0) -> None:
+        from specdec.spec.adaptive import choose_num_spec_tokens, completion_weights
 
         reqs = [r for r in running if r.sampling_params.use_speculation and r.is_decoding]
         others = sum(r.num_tokens - r.num_computed_tokens for r in running if not r.is_decoding)
@@ -57,8 +57,14 @@ class SpecController:
         else:
             # per-position conditional acceptance: copy-style proposers accept in bursts
             alphas = [self.acceptance.position_acceptance(r.request_id) for r in reqs]
+            # with a queue every token frees a slot sooner; without one, only the batch's end counts
+            weights = None
+            if not num_waiting:
+                weight = dict(zip((r.request_id for r in running),
+                                  completion_weights([r.max_tokens - r.num_output_tokens for r in running])))
+                weights = [weight[r.request_id] for r in reqs]
             ks = choose_num_spec_tokens(alphas, self.max_k, self.cost, num_other_tokens=others,
-                                        draft_per_token=self.draft_is_model) if reqs else []
+                                        draft_per_token=self.draft_is_model, weights=weights) if reqs else []
         self._plan = {r.request_id: k for r, k in zip(reqs, ks)}
 
     def observe_acceptance(self, req: Request, num_drafted: int, num_accepted: int) -> None:

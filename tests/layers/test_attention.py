@@ -66,6 +66,12 @@ def test_paged_attention_matches_dense(q_lens, heads, kv_heads, block_size):
     fast = paged_attention_torch(query, kv_cache, meta, 0.25)
     torch.testing.assert_close(ref, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast, expected, rtol=1e-5, atol=1e-5)
+    # the next layer of the same step reuses the step's buffers: neither result may change
+    other_cache, other_query = torch.randn_like(kv_cache), torch.randn_like(query)
+    second = paged_attention_torch(other_query, other_cache, meta, 0.25)
+    torch.testing.assert_close(second, paged_attention_reference(other_query, other_cache, meta, 0.25),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_write_kv_cache_places_tokens_at_their_slots():

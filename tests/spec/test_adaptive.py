@@ -10,6 +10,7 @@ from specdec.spec.adaptive import (
     AcceptanceEstimator,
     StepCostModel,
     choose_num_spec_tokens,
+    completion_weights,
     expected_tokens,
 )
 
@@ -168,8 +169,9 @@ def test_estimator_sees_bursty_per_position_acceptance():
 
 # ---- choose_num_spec_tokens -------------------------------------------------------------
 
-def throughput(ks, alphas, cost, num_other_tokens=0):
-    gain = sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) + num_other_tokens
+def throughput(ks, alphas, cost, num_other_tokens=0, weights=None):
+    weights = weights or [1.0] * len(ks)
+    gain = sum(w * expected_tokens(a, k) for a, k, w in zip(alphas, ks, weights)) + num_other_tokens
     rows = [sum(k >= d for k in ks) for d in range(1, max(ks, default=0) + 1)]
     seconds = cost.cost("target", sum(k + 1 for k in ks) + num_other_tokens) + sum(cost.cost("draft", r) for r in rows)
     return gain / seconds
@@ -229,6 +231,36 @@ def test_exact_optimum_for_free_drafts_by_brute_force():
         ks = choose_num_spec_tokens(alphas, 4, cost)
         best = max(throughput(c, alphas, cost) for c in itertools.product(range(5), repeat=3))
         assert throughput(ks, alphas, cost) == pytest.approx(best, rel=1e-9)
+
+
+def test_completion_weights_fade_requests_that_will_finish_first():
+    assert completion_weights([256, 128, 0]) == [1.0, 0.5, 1 / 256]  # a finished budget still counts a little
+    assert completion_weights([40, 40, 40]) == [1.0, 1.0, 1.0]
+    assert completion_weights([]) == []
+
+
+def test_weights_take_drafts_from_requests_that_are_ahead():
+    cost = cost_model(lambda n: 0.05 + 0.004 * n)  # verification rows cost something
+    assert choose_num_spec_tokens([0.7, 0.7], 8, cost) == choose_num_spec_tokens([0.7, 0.7], 8, cost,
+                                                                                weights=[1.0, 1.0])
+    even = choose_num_spec_tokens([0.7, 0.7], 8, cost)
+    ahead = choose_num_spec_tokens([0.7, 0.7], 8, cost, weights=[1.0, 0.1])
+    assert even[0] == even[1] > 0
+    assert ahead[1] == 0 and ahead[0] > 0  # the request that ends the batch keeps its drafts
+    with pytest.raises(ValueError, match="weights"):
+        choose_num_spec_tokens([0.7, 0.7], 8, cost, weights=[1.0, 0.0])
+
+
+def test_exact_optimum_with_weights_by_brute_force():
+    rng = random.Random(7)
+    for _ in range(30):
+        slope = rng.uniform(0.0, 0.02)
+        cost = cost_model(lambda n: 0.05 * (1 + slope * n))
+        alphas = [rng.random() for _ in range(3)]
+        weights = [rng.uniform(0.05, 1.0) for _ in range(3)]
+        ks = choose_num_spec_tokens(alphas, 4, cost, weights=weights)
+        best = max(throughput(c, alphas, cost, weights=weights) for c in itertools.product(range(5), repeat=3))
+        assert throughput(ks, alphas, cost, weights=weights) == pytest.approx(best, rel=1e-9)
 
 
 def test_validation_and_empty_batch():

@@ -1,0 +1,42 @@
+"""SpecController: "auto" K from the cost model, acceptance estimates, the guard and the queue."""
+from specdec.engine.request import Request
+from specdec.sampling_params import SamplingParams
+from specdec.spec.controller import SpecController
+
+
+def decoding(rid: str, max_tokens: int, generated: int) -> Request:
+    req = Request(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens))
+    for t in range(generated):
+        req.append_output_token(4 + t % 7)
+    req.num_computed_tokens = req.num_tokens - 1  # one token to feed: decoding
+    return req
+
+
+def controller() -> SpecController:
+    ctl = SpecController(max_k=4, adaptive=True, draft_is_model=False)
+    for n in (1, 2, 4, 8, 16, 32):
+        ctl.cost.set("target", n, 0.05 + 0.004 * n)  # verification rows cost something
+    for rid in ("lead", "lag"):
+        for _ in range(20):
+            ctl.observe_acceptance(decoding(rid, 10, 0), 4, 3)  # acceptance ~0.75
+    return ctl
+
+
+def test_without_a_queue_the_request_that_ends_the_batch_keeps_its_drafts():
+    lead, lag = decoding("lead", 256, 240), decoding("lag", 256, 40)  # 16 vs 216 tokens to go
+    ctl = controller()
+    ks = [ctl.num_tokens_for(r, [lead, lag], num_waiting=0) for r in (lead, lag)]
+    assert ks[0] == 0 and ks[1] > 0
+    # with requests waiting, finishing the leader early frees a slot: both draft
+    ctl = controller()
+    ks = [ctl.num_tokens_for(r, [lead, lag], num_waiting=3) for r in (lead, lag)]
+    assert ks[0] > 0 and ks[1] > 0
+
+
+def test_equal_budgets_plan_as_before():
+    a, b = decoding("lead", 256, 40), decoding("lag", 256, 40)
+    ctl = controller()
+    alone = [ctl.num_tokens_for(r, [a, b], num_waiting=0) for r in (a, b)]
+    ctl = controller()
+    queued = [ctl.num_tokens_for(r, [a, b], num_waiting=5) for r in (a, b)]
+    assert alone == queued and alone[0] > 0
