@@ -9,7 +9,8 @@ it counts as *linear* (matmul-family operators: weights and the LM head), or *ot
 operator accounts for is Python (and dispatcher) work: *forward Python* inside the target's
 forward, *engine Python* in the rest of the step (scheduling, batch preparation, commit,
 detokenizing). The profiler adds ~1-2 us per operator, charged mostly to the Python rows: the
-step time measured without it is printed beside the profiled one.
+step time measured without it is printed beside the profiled one. Host (CPU) time only: on a
+GPU an operator's time is its launch, and waiting for the device lands on whatever synchronises.
 """
 from __future__ import annotations
 
@@ -55,23 +56,22 @@ def _labelled(engine):
         return inner
 
     saved_backends = []
-    for module in engine.runner.model.modules():
-        backend = getattr(module, "backend", None)
-        if isinstance(backend, AttentionBackend):
-            saved_backends.append((module, backend))
-            module.backend = AttentionBackend(backend.name, wrap(backend.write_kv, "attention"),
-                                              wrap(backend.attend, "attention"))
-    engine.step = wrap(engine.step, "step")  # instance attributes shadow the methods
-    engine.propose = wrap(engine.propose, "draft")
-    engine.verify = wrap(engine.verify, "verify")
-    engine.runner.forward = wrap(engine.runner.forward, "forward")
+    patched = [(engine, "step"), (engine, "propose"), (engine, "verify"), (engine.runner, "forward")]
     try:
+        for module in engine.runner.model.modules():
+            backend = getattr(module, "backend", None)
+            if isinstance(backend, AttentionBackend):
+                saved_backends.append((module, backend))
+                module.backend = AttentionBackend(backend.name, wrap(backend.write_kv, "attention"),
+                                                  wrap(backend.attend, "attention"))
+        for obj, name in patched:  # instance attributes shadow the methods
+            setattr(obj, name, wrap(getattr(obj, name), "draft" if name == "propose" else name))
         yield
     finally:
         for module, backend in saved_backends:
             module.backend = backend
-        for obj, name in ((engine, "step"), (engine, "propose"), (engine, "verify"), (engine.runner, "forward")):
-            del obj.__dict__[name]
+        for obj, name in patched:
+            obj.__dict__.pop(name, None)
 
 
 def _start_decoding(llm, prompts, params) -> list[str]:
@@ -174,7 +174,9 @@ def measure(args) -> dict:
     from specdec.cli import make_llm
 
     # long enough that no request finishes inside the profiled steps, whatever K accepts
-    max_tokens = args.steps * 9 + 8  # K <= 8 accepted drafts + 1 per step
+    from specdec.spec.ngram import MAX_NUM_SPECULATIVE_TOKENS
+
+    max_tokens = args.steps * (MAX_NUM_SPECULATIVE_TOKENS + 1) + 8  # every draft accepted, every step
     need = args.input_len + max_tokens + 16
     params = driver.greedy_params(max_tokens)
     engines = {"no speculation": make_llm(engine_args(args, speculative=False, max_model_len=need))}

@@ -32,6 +32,9 @@ class LLMEngine:
         self.__dict__.update(vars(parts))  # device, dtype, tokenizer, runner, kv, scheduler, proposer, ...
         self.groups: dict[str, _Group] = {}
         self.child_to_group: dict[str, _Group] = {}
+        # True while a caller runs a fixed set of requests to the end (LLM.generate): nothing will
+        # join the batch, so "auto" plans for the batch's completion, not for tokens per second
+        self.closed_batch = False
 
     # ---- requests in and out ----
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -244,7 +247,10 @@ class LLMEngine:
     def spec_policy(self, req: Request) -> int:
         if self.spec_controller is None:
             return 0
-        return self.spec_controller.num_tokens_for(req, self.scheduler.running, len(self.scheduler.waiting))
+        return self.spec_controller.num_tokens_for(req, self.scheduler.running, self._batch_is_closed())
+
+    def _batch_is_closed(self) -> bool:
+        return self.closed_batch and not self.scheduler.waiting
 
     def observe_acceptance(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         if self.spec_controller is not None:

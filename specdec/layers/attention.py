@@ -169,7 +169,7 @@ def _grouped_attention(
 
     def buffer(name: str, shape) -> torch.Tensor:
         buf = workspace.get(name)
-        if buf is None or buf.shape != shape:
+        if buf is None or buf.shape != shape or buf.dtype != dtype or buf.device != q.device:
             buf = workspace[name] = torch.empty(shape, dtype=dtype, device=q.device)
         return buf
 
@@ -272,7 +272,7 @@ def _gather(cache: torch.Tensor, plan: _TorchPlan, name: str) -> torch.Tensor:
     """The step's blocks of one layer's K or V cache, into a buffer every layer reuses."""
     out = plan.workspace.get(name)
     shape = (plan.table.shape[0], *cache.shape[1:])
-    if out is None or out.shape != shape or out.dtype != cache.dtype:
+    if out is None or out.shape != shape or out.dtype != cache.dtype or out.device != cache.device:
         out = plan.workspace[name] = torch.empty(shape, dtype=cache.dtype, device=cache.device)
     return torch.index_select(cache, 0, plan.table, out=out)
 

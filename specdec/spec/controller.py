@@ -9,14 +9,17 @@ from specdec.engine.request import Request
 
 
 class SpecController:
-    def __init__(self, max_k: int, adaptive: bool, draft_is_model: bool):
+    def __init__(self, max_k: int, adaptive: bool, draft_is_model: bool, max_model_len: int | None = None):
         self.max_k = max_k
+        self.max_model_len = max_model_len
         self.adaptive = adaptive
         self.draft_is_model = draft_is_model
         self.cost = None
         self.acceptance = None
         self.guard = None
         self._plan: dict[str, int] = {}
+        self._weights: dict[str, float] = {}  # request -> value of its tokens in this step's plan
+        self._accepted: dict[str, int] = {}  # request -> drafts accepted this step
         if adaptive:
             from specdec.spec.adaptive import AcceptanceEstimator, StepCostModel, ThroughputGuard
 
@@ -26,7 +29,7 @@ class SpecController:
 
     @classmethod
     def build(cls, spec, proposer, runner, draft_runner, cfg) -> SpecController:
-        ctl = cls(spec.max_k, spec.is_adaptive, proposer.has_draft_model)
+        ctl = cls(spec.max_k, spec.is_adaptive, proposer.has_draft_model, getattr(cfg, "max_model_len", None))
         if ctl.adaptive and cfg.spec_cost_calibration:
             ctl.calibrate(runner, draft_runner)
         return ctl
@@ -40,29 +43,42 @@ class SpecController:
             self.cost.set("target", n, time_forward(runner, n))
             self.cost.set("draft", n, time_forward(draft_runner, n) if draft_runner is not None else 0.0)
 
-    def num_tokens_for(self, req: Request, running: list[Request], num_waiting: int = 0) -> int:
+    def num_tokens_for(self, req: Request, running: list[Request], closed_batch: bool = False) -> int:
+        """K for ``req`` this step. ``closed_batch``: nothing will join the running requests (an
+        offline ``generate`` whose queue is empty), so the plan values the batch's completion."""
         if not self.adaptive:
             return self.max_k
         if req is running[0] or not self._plan:
-            self._replan(running, num_waiting)
+            self._replan(running, closed_batch)
         return self._plan.get(req.request_id, 0)
 
-    def _replan(self, running: list[Request], num_waiting: int = 0) -> None:
+    def remaining_budget(self, req: Request) -> int:
+        """Tokens ``req`` may still generate: max_tokens, and the context limit."""
+        left = req.max_tokens - req.num_output_tokens
+        if self.max_model_len is not None:
+            left = min(left, self.max_model_len - req.num_tokens)
+        return left
+
+    def _replan(self, running: list[Request], closed_batch: bool = False) -> None:
         from specdec.spec.adaptive import choose_num_spec_tokens, completion_weights
 
         reqs = [r for r in running if r.sampling_params.use_speculation and r.is_decoding]
-        others = sum(r.num_tokens - r.num_computed_tokens for r in running if not r.is_decoding)
-        if reqs and not others and not self.guard.allow(len(reqs)):
+        # rows of the same pass that never draft: prefill chunks, and decode rows that opted out
+        others = sum(r.num_tokens - r.num_computed_tokens for r in running
+                     if not r.is_decoding or not r.sampling_params.use_speculation)
+        prefilling = any(not r.is_decoding for r in running)
+        self._weights = {}
+        if closed_batch:
+            # a token of a request that will finish before the batch does buys nothing but a
+            # costlier step (see completion_weights); the request that ends the batch counts fully
+            self._weights = dict(zip((r.request_id for r in running),
+                                     completion_weights([self.remaining_budget(r) for r in running])))
+        if reqs and not prefilling and not self.guard.allow(len(reqs)):
             ks = [0] * len(reqs)  # speculating steps have been slower than plain ones lately
         else:
             # per-position conditional acceptance: copy-style proposers accept in bursts
             alphas = [self.acceptance.position_acceptance(r.request_id) for r in reqs]
-            # with a queue every token frees a slot sooner; without one, only the batch's end counts
-            weights = None
-            if not num_waiting:
-                weight = dict(zip((r.request_id for r in running),
-                                  completion_weights([r.max_tokens - r.num_output_tokens for r in running])))
-                weights = [weight[r.request_id] for r in reqs]
+            weights = [self._weights[r.request_id] for r in reqs] if self._weights else None
             ks = choose_num_spec_tokens(alphas, self.max_k, self.cost, num_other_tokens=others,
                                         draft_per_token=self.draft_is_model, weights=weights) if reqs else []
         self._plan = {r.request_id: k for r, k in zip(reqs, ks)}
@@ -70,6 +86,7 @@ class SpecController:
     def observe_acceptance(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         if self.acceptance is not None:
             self.acceptance.update(req.request_id, num_drafted, num_accepted)
+            self._accepted[req.request_id] = num_accepted
 
     def observe_step(self, sched, proposal, t_draft: float, t_target: float) -> None:
         if self.cost is None:
@@ -83,9 +100,13 @@ class SpecController:
 
     def observe_outcome(self, sched, proposal, num_emitted: int, seconds: float) -> None:
         """A whole step's tokens and wall time, for the throughput guard (pure decode/verify steps only)."""
+        accepted, self._accepted = self._accepted, {}
         if self.guard is None or any(n != 1 for n in sched.num_scheduled_tokens):
             return
         speculated = any(proposal.draft_token_ids)
+        if self._weights:  # the guard judges steps in the plan's own currency
+            num_emitted = sum(self._weights.get(r.request_id, 1.0) * (1 + accepted.get(r.request_id, 0))
+                              for r in sched.requests)
         self.guard.observe(len(sched.requests), speculated, num_emitted, seconds)
 
     def forget(self, req: Request) -> None:

@@ -12,8 +12,8 @@ def decoding(rid: str, max_tokens: int, generated: int) -> Request:
     return req
 
 
-def controller() -> SpecController:
-    ctl = SpecController(max_k=4, adaptive=True, draft_is_model=False)
+def controller(max_model_len=None) -> SpecController:
+    ctl = SpecController(max_k=4, adaptive=True, draft_is_model=False, max_model_len=max_model_len)
     for n in (1, 2, 4, 8, 16, 32):
         ctl.cost.set("target", n, 0.05 + 0.004 * n)  # verification rows cost something
     for rid in ("lead", "lag"):
@@ -22,21 +22,27 @@ def controller() -> SpecController:
     return ctl
 
 
-def test_without_a_queue_the_request_that_ends_the_batch_keeps_its_drafts():
+def test_a_closed_batch_keeps_drafts_for_the_request_that_ends_it():
     lead, lag = decoding("lead", 256, 240), decoding("lag", 256, 40)  # 16 vs 216 tokens to go
     ctl = controller()
-    ks = [ctl.num_tokens_for(r, [lead, lag], num_waiting=0) for r in (lead, lag)]
+    ks = [ctl.num_tokens_for(r, [lead, lag], closed_batch=True) for r in (lead, lag)]
     assert ks[0] == 0 and ks[1] > 0
-    # with requests waiting, finishing the leader early frees a slot: both draft
+    # open to new requests (a server, or a queue waiting): finishing the leader early frees a slot
     ctl = controller()
-    ks = [ctl.num_tokens_for(r, [lead, lag], num_waiting=3) for r in (lead, lag)]
+    ks = [ctl.num_tokens_for(r, [lead, lag], closed_batch=False) for r in (lead, lag)]
     assert ks[0] > 0 and ks[1] > 0
+
+
+def test_remaining_budget_is_capped_by_the_context():
+    unbounded = Request("u", [1, 2, 3], SamplingParams(max_tokens=None))
+    assert controller(max_model_len=100).remaining_budget(unbounded) == 97
+    assert controller(max_model_len=100).remaining_budget(decoding("b", 20, 5)) == 15
 
 
 def test_equal_budgets_plan_as_before():
     a, b = decoding("lead", 256, 40), decoding("lag", 256, 40)
     ctl = controller()
-    alone = [ctl.num_tokens_for(r, [a, b], num_waiting=0) for r in (a, b)]
+    alone = [ctl.num_tokens_for(r, [a, b], closed_batch=True) for r in (a, b)]
     ctl = controller()
-    queued = [ctl.num_tokens_for(r, [a, b], num_waiting=5) for r in (a, b)]
+    queued = [ctl.num_tokens_for(r, [a, b], closed_batch=False) for r in (a, b)]
     assert alone == queued and alone[0] > 0
