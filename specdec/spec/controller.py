@@ -19,7 +19,6 @@ class SpecController:
         self.guard = None
         self._plan: dict[str, int] = {}
         self._weights: dict[str, float] = {}  # request -> value of its tokens in this step's plan
-        self._accepted: dict[str, int] = {}  # request -> drafts accepted this step
         if adaptive:
             from specdec.spec.adaptive import AcceptanceEstimator, StepCostModel, ThroughputGuard
 
@@ -86,7 +85,6 @@ class SpecController:
     def observe_acceptance(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         if self.acceptance is not None:
             self.acceptance.update(req.request_id, num_drafted, num_accepted)
-            self._accepted[req.request_id] = num_accepted
 
     def observe_step(self, sched, proposal, t_draft: float, t_target: float) -> None:
         if self.cost is None:
@@ -100,14 +98,13 @@ class SpecController:
 
     def observe_outcome(self, sched, proposal, num_emitted: int, seconds: float) -> None:
         """A whole step's tokens and wall time, for the throughput guard (pure decode/verify steps only)."""
-        accepted, self._accepted = self._accepted, {}
         if self.guard is None or any(n != 1 for n in sched.num_scheduled_tokens):
             return
-        speculated = any(proposal.draft_token_ids)
-        if self._weights:  # the guard judges steps in the plan's own currency
-            num_emitted = sum(self._weights.get(r.request_id, 1.0) * (1 + accepted.get(r.request_id, 0))
-                              for r in sched.requests)
-        self.guard.observe(len(sched.requests), speculated, num_emitted, seconds)
+        if any(w < 1.0 for w in self._weights.values()):
+            # a closed batch whose requests have drifted apart plans for its completion, not for
+            # tokens/s, and its weights shrink as it ends: its steps would bias the guard's rates
+            return
+        self.guard.observe(len(sched.requests), any(proposal.draft_token_ids), num_emitted, seconds)
 
     def forget(self, req: Request) -> None:
         if self.acceptance is not None:
