@@ -278,15 +278,21 @@ def test_throughput_guard_backs_off_when_speculating_steps_are_slower():
     from specdec.spec.adaptive import ThroughputGuard
 
     guard = ThroughputGuard(probe_every=8, min_steps=4)
-    # no evidence yet: speculation allowed, with a plain probe every 8th step
-    assert [guard.allow(4) for _ in range(8)] == [True] * 7 + [False]
+    # no plain rate yet: every other step is plain (free against speculation off) until there is one
+    assert [guard.allow(4) for _ in range(6)] == [True, False] * 3
+    for _ in range(4):
+        guard.observe(4, speculated=False, tokens=4, seconds=0.008)
+    # speculation allowed, with a plain probe every 8th step of the bucket
+    assert [guard.allow(4) for _ in range(10)] == [True] + [False] + [True] * 7 + [False]
     for _ in range(6):
         guard.observe(4, speculated=True, tokens=5, seconds=0.012)   # 417 tokens/s
         guard.observe(4, speculated=False, tokens=4, seconds=0.008)  # 500 tokens/s
+    guard._steps.clear()  # count the bucket's steps from here
     assert guard.rate(4, "spec") < guard.rate(4, "plain")
-    decisions = [guard.allow(5) for _ in range(16)]  # 5 decoding requests: same bucket as 4
-    assert decisions.count(True) == 2 and decisions[7] and decisions[15]  # only the probes speculate
-    # other batch sizes keep their own evidence
+    decisions = [guard.allow(5) for _ in range(64)]  # 5 decoding requests: same bucket as 4
+    # only probes speculate, ever rarer while the loss holds: 8, then 16, then 32 steps apart
+    assert [i for i, d in enumerate(decisions) if d] == [8, 24, 56]
+    # other batch sizes keep their own evidence (none yet: speculation allowed on the first step)
     assert guard.allow(16)
     # drafts start paying: the spec rate recovers past the plain one and speculation resumes
     for _ in range(30):

@@ -46,18 +46,3 @@ def test_equal_budgets_plan_as_before():
     ctl = controller()
     queued = [ctl.num_tokens_for(r, [a, b], closed_batch=False) for r in (a, b)]
     assert alone == queued and alone[0] > 0
-
-
-def test_the_guard_learns_only_from_steps_planned_for_tokens_per_second():
-    from types import SimpleNamespace
-
-    lead, lag = decoding("lead", 256, 240), decoding("lag", 256, 40)
-    sched = SimpleNamespace(requests=[lead, lag], num_scheduled_tokens=[1, 1])
-    plain = SimpleNamespace(draft_token_ids=[[], []])
-    ctl = controller()
-    ctl.num_tokens_for(lead, [lead, lag], closed_batch=True)  # weights 16/216 and 1
-    ctl.observe_outcome(sched, plain, 2, 0.01)
-    assert ctl.guard._arms == {}
-    ctl.num_tokens_for(lead, [lead, lag], closed_batch=False)
-    ctl.observe_outcome(sched, plain, 2, 0.01)
-    assert ctl.guard._arms[ctl.guard.bucket(2)]["plain"][2] == 1
