@@ -242,6 +242,16 @@ class AcceptanceEstimator:
         """Per-token acceptance rate a under the i.i.d. model."""
         return float(self._posterior(request_id)[0])
 
+    def position_acceptances(self, request_ids: Sequence[str]) -> np.ndarray:
+        """[B, max_positions] ``position_acceptance`` of many requests in one vectorised pass
+        (request by request it was ~0.1 ms per batch-32 step, run every step)."""
+        pooled = (self._pooled[:, 0] + self.prior_strength * self.prior_acceptance) / (
+            self._pooled[:, 1] + self.prior_strength)
+        empty = np.zeros_like(self._pooled)
+        counts = np.stack([self._requests.get(r, empty) for r in request_ids])  # [B, P + 1, 2]
+        posterior = (counts[:, :, 0] + self.prior_strength * pooled) / (counts[:, :, 1] + self.prior_strength)
+        return posterior[:, 1:]
+
     def position_acceptance(self, request_id: str) -> list[float]:
         """[max_positions] conditional acceptance of each draft position."""
         return self._posterior(request_id)[1:].tolist()
@@ -253,7 +263,12 @@ class AcceptanceEstimator:
 def _marginal_gains(alphas: Sequence[float | Sequence[float]], max_k: int) -> np.ndarray:
     """[B, max_k] expected extra accepted tokens of each request's j-th draft token: a^j
     for a scalar a, prod_{m<=j} a_m for per-position a (the last one repeats)."""
-    if all(isinstance(alpha, (int, float)) for alpha in alphas):
+    if isinstance(alphas, np.ndarray) and alphas.ndim == 2 and alphas.shape[1] > 0:  # [B, positions]
+        per_position = np.empty((alphas.shape[0], max_k))
+        width = min(max_k, alphas.shape[1])
+        per_position[:, :width] = alphas[:, :width]
+        per_position[:, width:] = alphas[:, width - 1: width]
+    elif all(isinstance(alpha, (int, float)) for alpha in alphas):
         per_position = np.repeat(np.asarray(alphas, dtype=np.float64)[:, None], max_k, axis=1)
     else:
         per_position = np.empty((len(alphas), max_k))

@@ -310,3 +310,18 @@ def test_throughput_guard_ignores_empty_steps_and_rejects_bad_settings():
     assert guard.rate(2, "spec") is None
     with pytest.raises(ValueError, match="probe_every"):
         ThroughputGuard(probe_every=1)
+
+
+def test_vectorised_position_acceptances_match_the_per_request_ones():
+    est = AcceptanceEstimator(max_positions=6)
+    rng = random.Random(3)
+    for rid in ("a", "b", "c"):
+        for _ in range(rng.randint(1, 9)):
+            k = rng.randint(1, 6)
+            est.update(rid, k, rng.randint(0, k))
+    ids = ["a", "b", "unseen", "c"]
+    table = est.position_acceptances(ids)
+    assert table.shape == (4, 6)
+    np.testing.assert_allclose(table, [est.position_acceptance(r) for r in ids])
+    cost = cost_model(lambda n: 0.05 + 0.004 * n)
+    assert choose_num_spec_tokens(table, 8, cost) == choose_num_spec_tokens([list(row) for row in table], 8, cost)

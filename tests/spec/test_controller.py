@@ -46,3 +46,20 @@ def test_equal_budgets_plan_as_before():
     ctl = controller()
     queued = [ctl.num_tokens_for(r, [a, b], closed_batch=False) for r in (a, b)]
     assert alone == queued and alone[0] > 0
+
+
+def test_a_plan_that_drafts_nothing_is_reused_a_few_steps_until_acceptance_changes():
+    a, b = decoding("lead", 256, 40), decoding("lag", 256, 40)
+    ctl = controller()
+    ctl.cost.set("target", 4, 1.0)  # verification rows now cost far more than they could return
+    ctl.guard.allow = lambda num_decoding: True  # (its own early plain steps would skip plans too)
+    calls = []
+    original = ctl.acceptance.position_acceptances
+    ctl.acceptance.position_acceptances = lambda ids: calls.append(ids) or original(ids)
+    for _ in range(6):
+        assert ctl.num_tokens_for(a, [a, b]) == 0
+        ctl._plan = {}  # what observe_step does after each step
+    assert len(calls) == 2  # planned, reused 4 times, planned again
+    ctl.observe_acceptance(a, 2, 2)  # new evidence: plan afresh
+    ctl.num_tokens_for(a, [a, b])
+    assert len(calls) == 3
