@@ -427,6 +427,21 @@ class ThroughputGuard:
         self._backoff[b] = (step, min(2 * interval, self.max_backoff * self.probe_every))
         return True
 
+    def requests_changed(self, num_decoding: int, new_fraction: float) -> None:
+        """Part of the batch is new: the speculating rate is evidence about the requests that were
+        there (their acceptance), so it keeps only the old share of its weight; the plain rate is
+        the hardware's and stays. At batch 1 a new request starts with no speculating evidence (a
+        chat answer that lost must not block the code answer after it: the default pair went 1.21x
+        -> 1.05x), at batch 32 one new request barely moves it."""
+        if new_fraction <= 0.0:
+            return
+        b = self.bucket(num_decoding)
+        stats = self._arms.get(b, {}).get("spec")
+        if stats is not None:
+            stats[2] *= max(0.0, 1.0 - new_fraction)
+        if new_fraction >= 0.5:
+            self._backoff.pop(b, None)
+
     def observe(self, num_decoding: int, speculated: bool, tokens: int, seconds: float) -> None:
         if seconds <= 0.0 or tokens <= 0:
             return

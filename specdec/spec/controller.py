@@ -22,6 +22,7 @@ class SpecController:
         self._idle_ids: list[str] | None = None  # requests of the last plan, when it drafted nothing
         self._idle_age = 0  # steps that plan has been reused
         self.replan_idle_every = 4
+        self._last_ids: set[str] = set()  # the decoding requests of the previous plan
         self.observe_plain_every = 4  # plain decode steps per cost-model observation
         if adaptive:
             from specdec.spec.adaptive import AcceptanceEstimator, StepCostModel, ThroughputGuard
@@ -71,6 +72,10 @@ class SpecController:
                      if not r.is_decoding or not r.sampling_params.use_speculation)
         prefilling = any(not r.is_decoding for r in running)
         ids = [r.request_id for r in reqs]
+        if ids:
+            new = sum(1 for i in ids if i not in self._last_ids)
+            self._last_ids = set(ids)
+            self.guard.requests_changed(len(ids), new / len(ids))
         if not reqs or (not prefilling and not self.guard.allow(len(reqs))):
             ks = [0] * len(reqs)  # nothing to draft, or speculating steps have been slower lately
         elif not prefilling and ids == self._idle_ids and self._idle_age < self.replan_idle_every:

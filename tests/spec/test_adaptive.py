@@ -301,6 +301,21 @@ def test_throughput_guard_backs_off_when_speculating_steps_are_slower():
     assert sum(guard.allow(4) for _ in range(16)) == 14
 
 
+def test_throughput_guard_forgets_speculating_evidence_in_proportion_to_new_requests():
+    from specdec.spec.adaptive import ThroughputGuard
+
+    guard = ThroughputGuard(min_steps=4)
+    for batch in (1, 32):
+        for _ in range(10):
+            guard.observe(batch, speculated=True, tokens=batch, seconds=0.02)  # losing: as many tokens, slower
+            guard.observe(batch, speculated=False, tokens=batch, seconds=0.01)
+    guard.requests_changed(32, 1 / 32)  # one new request among 32: the evidence stands
+    assert guard.rate(32, "spec") is not None and not guard.allow(32)
+    guard.requests_changed(1, 1.0)  # a new request alone: no speculating evidence about it yet
+    assert guard.rate(1, "spec") is None and guard.rate(1, "plain") == pytest.approx(100.0)
+    assert guard.allow(1)
+
+
 def test_throughput_guard_ignores_empty_steps_and_rejects_bad_settings():
     from specdec.spec.adaptive import ThroughputGuard
 
