@@ -311,6 +311,8 @@ def test_throughput_guard_forgets_speculating_evidence_in_proportion_to_new_requ
             guard.observe(batch, speculated=False, tokens=batch, seconds=0.01)
     guard.requests_changed(32, 1 / 32)  # one new request among 32: the evidence stands
     assert guard.rate(32, "spec") is not None and not guard.allow(32)
+    guard.requests_changed(32, 1.0)  # a whole new batch of 32 moves the batch's mean little
+    assert guard.rate(32, "spec") is not None
     guard.requests_changed(1, 1.0)  # a new request alone: no speculating evidence about it yet
     assert guard.rate(1, "spec") is None and guard.rate(1, "plain") == pytest.approx(100.0)
     assert guard.allow(1)
