@@ -435,11 +435,11 @@ class ThroughputGuard:
         -> 1.05x), at batch 32 one new request barely moves it."""
         if new_fraction <= 0.0:
             return
-        # the batch's mean acceptance moves with its new members' share, damped by the batch size
-        # (its standard error shrinks as 1 / sqrt(n)): a whole new batch of 32 requests of the same
-        # service behaves much like the last one (forgetting it all cost 3% at batch 32: 6
-        # speculating steps to re-learn at 2.2x a plain step's cost)
-        forget = min(1.0, new_fraction / math.sqrt(max(1, num_decoding)))
+        # the batch's mean acceptance moves with its new members' share, damped by the batch size:
+        # a whole new batch of 32 requests of the same service behaves much like the last one
+        # (forgetting 18% of it, 1/sqrt(32), cost ~3% at batch 32: re-learning steps at 2.2x a
+        # plain step's cost), while at batch 1 the one request is everything
+        forget = min(1.0, new_fraction / max(1, num_decoding))
         b = self.bucket(num_decoding)
         stats = self._arms.get(b, {}).get("spec")
         if stats is not None:
