@@ -74,7 +74,7 @@ def _labelled(engine):
             obj.__dict__.pop(name, None)
 
 
-def _start_decoding(llm, prompts, params) -> list[str]:
+def _start_decoding(llm, prompts, params) -> None:
     engine = llm.engine
     ids = [f"profile-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
@@ -84,7 +84,6 @@ def _start_decoding(llm, prompts, params) -> list[str]:
         for out in engine.step():
             if out.outputs[0].token_ids:
                 produced.add(out.request_id)
-    return ids
 
 
 def _finish(llm) -> None:

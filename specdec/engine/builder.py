@@ -175,7 +175,7 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
         _enable_graphs(cfg, runner, draft_runner, max_model_len, spec)
     vocab_size = config.vocab_size
     proposer = build_proposer(spec, draft_runner, kv, vocab_size) if spec else None
-    controller = SpecController.build(spec, proposer, runner, draft_runner, cfg) if spec else None
+    controller = SpecController.build(spec, proposer, runner, draft_runner, cfg, max_model_len) if spec else None
     return EngineParts(
         device=device, dtype=dtype, tokenizer=tokenizer, model_path=path, model_config=config,
         max_model_len=max_model_len, vocab_size=vocab_size, eos_token_ids=eos_ids(path, tokenizer, config),

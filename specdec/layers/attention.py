@@ -168,19 +168,16 @@ def _grouped_attention(
     workspace = {} if workspace is None else workspace
 
     def buffer(name: str, shape) -> torch.Tensor:
-        buf = workspace.get(name)
-        if buf is None or buf.shape != shape or buf.dtype != dtype or buf.device != q.device:
-            buf = workspace[name] = torch.empty(shape, dtype=dtype, device=q.device)
-        return buf
+        return _workspace_buffer(workspace, name, shape, dtype, q.device)
 
     def laid_out(name: str, x: torch.Tensor, shape, perm) -> torch.Tensor:
-        return buffer(name, torch.Size(shape)).copy_(x.permute(perm))
+        return buffer(name, shape).copy_(x.permute(perm))
 
     qg = laid_out("q", q.view(num_reqs, q_len, num_kv_heads, group, head_dim),
                   (num_reqs, num_kv_heads, group, q_len, head_dim), (0, 2, 3, 1, 4)).mul_(scale)
     kt = laid_out("k", k, (num_reqs, num_kv_heads, seq_len, head_dim), (0, 2, 1, 3))
     vt = laid_out("v", v, (num_reqs, num_kv_heads, seq_len, head_dim), (0, 2, 1, 3))
-    scores = buffer("scores", torch.Size((num_reqs, num_kv_heads, group * q_len, seq_len)))
+    scores = buffer("scores", (num_reqs, num_kv_heads, group * q_len, seq_len))
     torch.matmul(qg.view(num_reqs, num_kv_heads, group * q_len, head_dim), kt.transpose(-1, -2), out=scores)
     if bias is not None:
         scores.view(num_reqs, num_kv_heads, group, q_len, seq_len).add_(bias)
@@ -268,12 +265,19 @@ def paged_attention_torch(
                               plan.workspace).index_select(0, dest)
 
 
+def _workspace_buffer(workspace: dict, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """``workspace[name]``, re-made when the shape, dtype or device asked for differs."""
+    shape = torch.Size(shape)
+    buf = workspace.get(name)
+    if buf is None or buf.shape != shape or buf.dtype != dtype or buf.device != device:
+        buf = workspace[name] = torch.empty(shape, dtype=dtype, device=device)
+    return buf
+
+
 def _gather(cache: torch.Tensor, plan: _TorchPlan, name: str) -> torch.Tensor:
     """The step's blocks of one layer's K or V cache, into a buffer every layer reuses."""
-    out = plan.workspace.get(name)
     shape = (plan.table.shape[0], *cache.shape[1:])
-    if out is None or out.shape != shape or out.dtype != cache.dtype or out.device != cache.device:
-        out = plan.workspace[name] = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+    out = _workspace_buffer(plan.workspace, name, shape, cache.dtype, cache.device)
     return torch.index_select(cache, 0, plan.table, out=out)
 
 

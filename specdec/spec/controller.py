@@ -32,8 +32,8 @@ class SpecController:
             self.guard = ThroughputGuard()
 
     @classmethod
-    def build(cls, spec, proposer, runner, draft_runner, cfg) -> SpecController:
-        ctl = cls(spec.max_k, spec.is_adaptive, proposer.has_draft_model, getattr(cfg, "max_model_len", None))
+    def build(cls, spec, proposer, runner, draft_runner, cfg, max_model_len: int | None = None) -> SpecController:
+        ctl = cls(spec.max_k, spec.is_adaptive, proposer.has_draft_model, max_model_len)
         if ctl.adaptive and cfg.spec_cost_calibration:
             ctl.calibrate(runner, draft_runner)
         return ctl
