@@ -70,7 +70,7 @@ class TrainDraftConfig:
     seed: int = 0
     feature_loss: float = 0.5         # eagle: weight of the smooth-L1 feature regression next to the KL
     feature_noise: float = 0.1        # eagle: uniform noise on input features, as a fraction of their std
-    unroll: int = 2                   # eagle: 2 = also train on its own predicted features (drafting position 2)
+    unroll: int = 2                   # eagle: passes fed the head's own predicted features (drafting positions 2..unroll)
     draft_vocab_size: int = 16384     # eagle: draft only the corpus's most frequent tokens (0: the whole vocab)
     progress: bool = True
     stats: dict = field(default_factory=dict)  # filled by the run: phase times, final metrics
@@ -79,8 +79,8 @@ class TrainDraftConfig:
         self.sources = tuple(self.sources)
         if self.arch not in ("llama", "eagle"):
             raise ValueError(f"arch must be 'llama' or 'eagle', got {self.arch!r}")
-        if self.unroll not in (1, 2):
-            raise ValueError(f"unroll must be 1 or 2, got {self.unroll}")
+        if not 1 <= self.unroll <= 8:
+            raise ValueError(f"unroll must be in 1..8, got {self.unroll}")
         unknown = set(self.sources) - set(SOURCES)
         if unknown or not self.sources:
             raise ValueError(f"sources must be a non-empty subset of {SOURCES}, got {self.sources}")
@@ -468,7 +468,7 @@ _FLAG_HELP = {
     "device": "auto | cpu | cuda[:N] | rocm", "seed": "seed for prompts, data order and init",
     "num_threads": "CPU threads (on a shared machine also export OMP_WAIT_POLICY=PASSIVE)",
     "feature_loss": "eagle: weight of the feature regression loss", "feature_noise": "eagle: input feature noise",
-    "unroll": "eagle: 2 trains drafting position 2 on the head's own predictions too",
+    "unroll": "eagle: N trains drafting positions 2..N on the head's own predictions too (pass j weighs 0.5^(j-1))",
     "draft_vocab_size": "eagle: LM-head rows scored when drafting (the corpus's most frequent tokens; 0: all)",
 }
 

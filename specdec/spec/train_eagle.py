@@ -8,8 +8,9 @@ Same corpus and resumable phases as the Llama draft (``train_draft.py``); what d
    at token p + 2 over the teacher's top-k plus "the rest" (through the target's frozen LM head)
    + ``feature_loss`` * smooth-L1(prediction, f_{p+1}). The noise (uniform, +-``feature_noise``
    of the features' std) stands in for the head's own errors, which it reads from pass 2 on.
-   With ``unroll`` 2 a second pass feeds the first pass's predictions back as features and is
-   scored against the target one token further (what drafting position 2 sees), at half weight.
+   With ``unroll`` N, pass j = 2..N feeds pass j-1's predictions back as features and is scored
+   against the target j-1 tokens further (what drafting position j sees), at weight 0.5^(j-1):
+   the head learns to read its own errors, which is what decays the chain from position 2 on.
 4. eval    replays greedy drafting on held-out target answers: at each step the head drafts K
    tokens from the target's real features (then its own predictions), the run of matches plus
    one is the step's length; reports mean acceptance length at K = 5 and top-1 agreement.
@@ -87,12 +88,12 @@ def eagle_loss(head, ids, feats, topk_ids, topk_logp, cfg, generator):
     feat = F.smooth_l1_loss(pred, f[:, 1:])
     loss = kl + cfg.feature_loss * feat
     extra = {"kl1": round(kl.item(), 4), "feat": round(feat.item(), 4)}
-    if cfg.unroll >= 2:  # pass 2: its own predictions as features, scored one token further
+    for j in range(2, cfg.unroll + 1):  # pass j: pass j-1's predictions as features, one token further
         with torch.autocast(f.device.type, dtype=torch.bfloat16):
-            pred2 = dense_forward(head, ids[:, 2:], pred[:, :-1]).float()            # ~ f[:, 2:]
-        kl2 = _topk_kl(head, pred2, topk_ids[:, 2:], topk_logp[:, 2:], cfg.num_negatives, generator)
-        loss = loss + 0.5 * (kl2 + cfg.feature_loss * F.smooth_l1_loss(pred2, f[:, 2:]))
-        extra["kl2"] = round(kl2.item(), 4)
+            pred = dense_forward(head, ids[:, j:], pred[:, :-1]).float()             # ~ f[:, j:]
+        kl_j = _topk_kl(head, pred, topk_ids[:, j:], topk_logp[:, j:], cfg.num_negatives, generator)
+        loss = loss + 0.5 ** (j - 1) * (kl_j + cfg.feature_loss * F.smooth_l1_loss(pred, f[:, j:]))
+        extra[f"kl{j}"] = round(kl_j.item(), 4)
     return loss, extra
 
 

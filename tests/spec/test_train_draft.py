@@ -227,15 +227,15 @@ def test_eagle_head_trains_resumes_and_serves(target_dir, tmp_path):
     from specdec import LLM, SamplingParams
     from specdec.spec.train_eagle import train_eagle
 
-    cfg = _config(target_dir, tmp_path, arch="eagle", steps=24, lr=3e-3)
+    cfg = _config(target_dir, tmp_path, arch="eagle", steps=24, lr=3e-3, unroll=3)
     report = train_eagle(cfg)
     log = torch.load(tmp_path / "work" / "checkpoint.pt")["log"]
-    assert len(log) == 24 and {"kl1", "kl2", "feat"} <= set(log[0])
+    assert len(log) == 24 and {"kl1", "kl2", "kl3", "feat"} <= set(log[0]) and "kl4" not in log[0]
     assert sum(r["kl_topk"] for r in log[-3:]) < 0.9 * sum(r["kl_topk"] for r in log[:3])
     assert 1.0 <= report["chat"]["replayed_accept_len_k5"] <= 6.0
     assert 0.0 <= report["python_source"]["top1_agreement"] <= 1.0
     weights = (tmp_path / "draft" / "model.safetensors").read_bytes()
-    train_eagle(_config(target_dir, tmp_path, arch="eagle", steps=24, lr=3e-3))
+    train_eagle(_config(target_dir, tmp_path, arch="eagle", steps=24, lr=3e-3, unroll=3))
     assert (tmp_path / "draft" / "model.safetensors").read_bytes() == weights
     plain = LLM(model=str(target_dir), dtype="float32", device="cpu")
     spec = LLM(model=str(target_dir), dtype="float32", device="cpu",
