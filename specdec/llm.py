@@ -81,7 +81,7 @@ class LLM:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
-        self.engine.closed_batch = True
+        self.engine.closed_batch = self.engine.final_outputs_only = True
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
@@ -93,7 +93,7 @@ class LLM:
             self.engine.abort_request(ids)  # an interrupted generate leaves no request behind
             raise
         finally:
-            self.engine.closed_batch = False
+            self.engine.closed_batch = self.engine.final_outputs_only = False
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]

@@ -316,3 +316,24 @@ def test_streamed_text_never_shrinks_with_stop_strings(llm, reference):
     assert len(texts) > 3
     assert all(texts[-1].startswith(t) for t in texts), texts
     assert_no_leaks(llm)
+
+
+def test_final_outputs_only_reports_each_request_once_when_it_ends(llm, reference):
+    """LLM.generate's mode (vLLM's FINAL_ONLY): running requests are not re-decoded every step; each
+    request is reported once, finished, with the text and tokens a streaming run gives."""
+    engine = llm.engine
+    n_short = MAX_TOKENS // 2
+    engine.add_request("short", llm.tokenizer.encode("def f(x):"), greedy(n_short))
+    engine.add_request("pair", llm.tokenizer.encode("import json"), greedy(n=2))
+    engine.final_outputs_only = True
+    try:
+        seen = []
+        while engine.has_unfinished_requests():
+            seen += engine.step()
+    finally:
+        engine.final_outputs_only = False
+    assert [o.request_id for o in seen] == ["short", "pair"] and all(o.finished for o in seen)
+    assert seen[0].outputs[0].token_ids == reference["def f(x):"][:n_short]
+    assert seen[0].outputs[0].text == llm.tokenizer.decode(reference["def f(x):"][:n_short])
+    assert all(c.token_ids == reference["import json"] for c in seen[1].outputs)
+    assert_no_leaks(llm)

@@ -11,10 +11,14 @@
   must never be slower than speculation off.
 Every configuration runs on the same engine weights, same prompts, same sampling, in one
 process, interleaved over repetitions; the table reports median tokens/s and the median of
-per-repetition speedups vs off.
+per-repetition speedups vs off. Each repetition starts the rotation one configuration later (no
+configuration always runs right after the same other one) and every timed run starts after a
+garbage collection. The batch workload's runs are short (~5 s), so it gets ``--batch-repeats``
+repetitions (default 3 x ``--repeats``).
 """
 from __future__ import annotations
 
+import gc
 import inspect
 import statistics
 import time
@@ -58,6 +62,7 @@ def run_config(llm, prompt_ids: list[list[int]], params: SamplingParams) -> tupl
         # (and from the other copies of a prompt in "batch"): each run starts with an empty one
         llm.engine.proposer.reset_history()
     before = dict(llm.get_metrics())
+    gc.collect()  # not the garbage of the previous configuration's run
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
     elapsed = time.perf_counter() - t
@@ -94,14 +99,17 @@ def bench_workloads(args) -> dict:
         "batch": (open_prompts(args.batch), args.output_len // 2),
     }
     results = {}
+    names = list(engines)
     for wname in args.workloads:
         convs, out_len = workloads[wname]
         ids = [engines["off"].apply_chat_template(c) for c in convs]
         params = SamplingParams(temperature=0, max_tokens=out_len)
         times = {name: [] for name in engines}
         extra = {}
-        for _ in range(args.repeats):  # interleaved A/B/C...
-            for name, llm in engines.items():
+        repeats = (args.batch_repeats or 3 * args.repeats) if wname == "batch" else args.repeats
+        for r in range(repeats):  # interleaved A/B/C..., B/C/.../A, ...
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                llm = engines[name]
                 elapsed, tokens, info = run_config(llm, ids, params)
                 times[name].append(tokens / elapsed)
                 extra[name] = info
@@ -117,7 +125,7 @@ def bench_workloads(args) -> dict:
                           "identical_outputs": f"{same}/{len(ref)}",
                           "acceptance_rate": extra[name]["acceptance_rate"],
                           "mean_acceptance_length": extra[name]["mean_acceptance_length"]}
-        results[wname] = {"num_prompts": len(ids), "output_len": out_len, "rows": rows}
+        results[wname] = {"num_prompts": len(ids), "output_len": out_len, "repeats": repeats, "rows": rows}
     from specdec.bench.report import result_header
 
     return {**result_header(args, "workloads", None), "model": args.model, "k": args.k, "repeats": args.repeats,
@@ -133,7 +141,9 @@ def render(result: dict) -> str:
             for wname, w in result["workloads"].items() for name, r in w["rows"].items()]
     headers = ["workload", "prompts x tokens", "config", "tok/s", "speedup vs off", "accept rate", "mean acc len",
                "identical to off"]
-    return (f"model {result['model']}, K up to {result['k']}, medians of {result['repeats']} interleaved runs\n\n"
+    reps = {w.get("repeats", result["repeats"]) for w in result["workloads"].values()}
+    return (f"model {result['model']}, K up to {result['k']}, medians of "
+            f"{'/'.join(str(r) for r in sorted(reps))} interleaved runs\n\n"
             + format_table(headers, rows))
 
 
@@ -157,6 +167,8 @@ def add_workloads_parser(bench_sub) -> None:
                    help="grounded workload answer cap: room to print the edited function back whole")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-repeats", type=int, default=None,
+                   help="repetitions of the (short) batch workload (default: 3 x --repeats)")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=cmd_workloads)
     return p

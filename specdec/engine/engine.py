@@ -35,6 +35,9 @@ class LLMEngine:
         # True while a caller runs a fixed set of requests to the end (LLM.generate): nothing will
         # join the batch, so "auto" plans for the batch's completion, not for tokens per second
         self.closed_batch = False
+        # True while the caller reads finished outputs only (LLM.generate; vLLM's FINAL_ONLY): a
+        # running request's text is not re-decoded every step (O(output length) per request per step)
+        self.final_outputs_only = False
 
     # ---- requests in and out ----
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -193,7 +196,7 @@ class LLMEngine:
             else:
                 self.kv.truncate(req, req.num_tokens)
             group = self.child_to_group.get(req.request_id)
-            if group is not None:
+            if group is not None and (status is not None or not self.final_outputs_only):
                 touched[group.request_id] = group
         return [self._group_output(g, now) for g in touched.values()]
 

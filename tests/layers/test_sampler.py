@@ -89,6 +89,36 @@ def test_top_k_topk_path_equals_sort_path():
     assert (via_topk > 0).sum(dim=1).tolist() == [1, 3, 40, 40, 40, 17]
 
 
+@pytest.mark.parametrize("num_candidates", [8, 64, 4096])
+def test_top_p_from_a_candidate_head_equals_the_sort(num_candidates):
+    """The CPU path cuts from the row's largest logits; rows the head cannot decide (top-k beyond
+    it, a tie at its edge, head mass short of top-p) go through the sort. Every row must come out
+    as the sort gives it: exactly the same kept set, the same values."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 3000
+    scales = torch.tensor([0.5, 1.0, 3.0, 8.0]).repeat(12)  # flat to peaked rows
+    logits = torch.randn(48, vocab, generator=gen) * scales[:, None]
+    logits[5, :40] = logits[5].max() + 1.0  # a 40-way tie at the top
+    logits[6, 100:200] = 0.25  # a wide tie in the middle
+    top_k = torch.tensor([0, 1, 5, 50, 63, 64, 65, 700, 2999, 3000, 4000, -1] * 4)
+    top_p = torch.tensor([1.0, 0.1, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0, 0.7, 0.3, 0.6] * 4)[torch.randperm(48, generator=gen)]
+    via_head = sampler._apply_top_k_top_p_head(logits.clone(), top_k, top_p, num_candidates)
+    via_sort = sampler._apply_top_k_top_p_sorted(logits.clone(), top_k, top_p)
+    assert torch.equal(via_head.isfinite(), via_sort.isfinite())
+    torch.testing.assert_close(via_head, via_sort, rtol=0, atol=0)
+    kept = via_sort.isfinite().sum(dim=1)
+    assert kept.min() >= 1 and (kept < vocab).sum() >= 30 and (kept > 64).sum() >= 5  # both paths exercised
+
+
+def test_processed_probs_on_cpu_takes_the_head_path(monkeypatch):
+    calls = []
+    original = sampler._apply_top_k_top_p_head
+    monkeypatch.setattr(sampler, "_apply_top_k_top_p_head", lambda *a: calls.append(1) or original(*a))
+    probs = processed_probs(logits_of([0.5, 0.3, 0.15, 0.05]), meta_for(SamplingParams(top_p=0.75)))
+    torch.testing.assert_close(probs, torch.tensor([[0.5 / 0.8, 0.3 / 0.8, 0, 0]]))
+    assert calls == [1]
+
+
 @pytest.mark.parametrize(
     "top_p, expected",
     [(0.75, [0.5 / 0.8, 0.3 / 0.8, 0, 0]), (0.9, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]), (0.3, [1.0, 0, 0, 0])],
