@@ -13,8 +13,10 @@ Every configuration runs on the same engine weights, same prompts, same sampling
 process, interleaved over repetitions; the table reports median tokens/s and the median of
 per-repetition speedups vs off. Each repetition starts the rotation one configuration later (no
 configuration always runs right after the same other one) and every timed run starts after a
-garbage collection. The batch workload's runs are short (~5 s), so it gets ``--batch-repeats``
-repetitions (default 3 x ``--repeats``).
+garbage collection. The open and batch workloads' runs are short (~5 s), so they get
+``--short-repeats`` repetitions (default 3 x ``--repeats``), and an A/A control: ``off-again``,
+a second engine without speculation, timed like the others against ``off``. Its spread is this
+machine's noise floor, the yardstick for "within 3%" and "never slower".
 """
 from __future__ import annotations
 
@@ -91,6 +93,7 @@ def bench_workloads(args) -> dict:
             spec.update(prompt_lookup_min=1, prompt_lookup_max=4)
         configs[method] = spec
         configs[f"{method}-auto"] = dict(spec, num_speculative_tokens="auto", max_num_speculative_tokens=args.k)
+    configs["off-again"] = None  # the A/A control (short workloads only)
     engines = {name: LLM(model=args.model, speculative_config=spec, **base_kwargs) for name, spec in configs.items()}
     workloads = {
         # an edit prints the file back whole: room for the longest function (946 tokens) and a comment
@@ -99,14 +102,15 @@ def bench_workloads(args) -> dict:
         "batch": (open_prompts(args.batch), args.output_len // 2),
     }
     results = {}
-    names = list(engines)
     for wname in args.workloads:
+        short = wname != "grounded"
+        names = [n for n in engines if short or n != "off-again"]
         convs, out_len = workloads[wname]
         ids = [engines["off"].apply_chat_template(c) for c in convs]
         params = SamplingParams(temperature=0, max_tokens=out_len)
-        times = {name: [] for name in engines}
+        times = {name: [] for name in names}
         extra = {}
-        repeats = (args.batch_repeats or 3 * args.repeats) if wname == "batch" else args.repeats
+        repeats = (args.short_repeats or 3 * args.repeats) if short else args.repeats
         for r in range(repeats):  # interleaved A/B/C..., B/C/.../A, ...
             for name in names[r % len(names):] + names[:r % len(names)]:
                 llm = engines[name]
@@ -115,7 +119,7 @@ def bench_workloads(args) -> dict:
                 extra[name] = info
         ref = extra["off"]["outputs"]
         rows = {}
-        for name in engines:
+        for name in names:
             tps = statistics.median(times[name])
             same = sum(a == b for a, b in zip(ref, extra[name]["outputs"]))
             # each repetition's run against the plain run of the same repetition (minutes apart
@@ -167,8 +171,8 @@ def add_workloads_parser(bench_sub) -> None:
                    help="grounded workload answer cap: room to print the edited function back whole")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--batch-repeats", type=int, default=None,
-                   help="repetitions of the (short) batch workload (default: 3 x --repeats)")
+    p.add_argument("--short-repeats", type=int, default=None,
+                   help="repetitions of the short open and batch workloads (default: 3 x --repeats)")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=cmd_workloads)
     return p

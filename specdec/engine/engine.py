@@ -111,9 +111,11 @@ class LLMEngine:
 
     def plan_speculation(self) -> None:
         """Set how many drafts each running request wants this step (0 = decode normally)."""
-        for req in self.scheduler.running:
-            wants = self.proposer is not None and req.sampling_params.use_speculation and req.is_decoding
-            req.num_spec_tokens_wanted = self.spec_policy(req) if wants else 0
+        if self.spec_controller is None or self.proposer is None:
+            for req in self.scheduler.running:
+                req.num_spec_tokens_wanted = 0
+            return
+        self.spec_controller.plan(self.scheduler.running, self._batch_is_closed())
 
     def propose(self, sched: SchedulerOutput) -> DraftProposal:
         if self.proposer is None or not any(sched.num_spec_slots):
@@ -247,11 +249,6 @@ class LLMEngine:
         return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, completions, finished, metrics)
 
     # ---- speculation policy & bookkeeping ----
-    def spec_policy(self, req: Request) -> int:
-        if self.spec_controller is None:
-            return 0
-        return self.spec_controller.num_tokens_for(req, self.scheduler.running, self._batch_is_closed())
-
     def _batch_is_closed(self) -> bool:
         return self.closed_batch and not self.scheduler.waiting
 

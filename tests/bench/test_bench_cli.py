@@ -203,7 +203,7 @@ def test_profile_splits_a_step_into_its_parts(llama_path, tmp_path):
 
 
 def test_workloads_rotate_configs_and_pair_each_repetition(llama_path, tmp_path):
-    """Every configuration runs every repetition (the batch workload its own count), each speedup
+    """Every configuration runs every repetition (the short workloads their own count), each speedup
     is that repetition's tokens/s over the plain run of the same repetition, float32 greedy
     output is identical, and the grounded prompt really holds the function to copy."""
     from specdec.bench.workloads import grounded_prompts
@@ -211,13 +211,14 @@ def test_workloads_rotate_configs_and_pair_each_repetition(llama_path, tmp_path)
     assert all("```python\ndef " in conv[0]["content"] for conv in grounded_prompts())
     table = run_cli(["bench", "workloads", "--model", llama_path, "--dtype", "float32", "--methods", "ngram",
                      "--workloads", "open", "batch", "--batch", "3", "--output-len", "12", "--k", "3",
-                     "--repeats", "2", "--batch-repeats", "3", "--output-json", str(tmp_path / "w.json")])
+                     "--repeats", "2", "--short-repeats", "3", "--output-json", str(tmp_path / "w.json")])
     result = json.loads((tmp_path / "w.json").read_text())
-    assert result["kind"] == "workloads" and "medians of 2/3 interleaved runs" in table
-    for wname, repeats, n in (("open", 2, 4), ("batch", 3, 3)):
+    assert result["kind"] == "workloads" and "medians of 3 interleaved runs" in table
+    for wname, n in (("open", 4), ("batch", 3)):
         w = result["workloads"][wname]
-        assert (w["repeats"], w["num_prompts"]) == (repeats, n)
-        assert list(w["rows"]) == ["off", "ngram", "ngram-auto"]
+        repeats = w["repeats"]
+        assert (repeats, w["num_prompts"]) == (3, n)
+        assert list(w["rows"]) == ["off", "ngram", "ngram-auto", "off-again"]  # with the A/A control
         assert w["rows"]["off"]["speedup_per_repeat"] == [1.0] * repeats
         for name, row in w["rows"].items():
             assert len(row["speedup_per_repeat"]) == repeats

@@ -60,6 +60,12 @@ def test_a_plan_that_drafts_nothing_is_reused_a_few_steps_until_acceptance_chang
         assert ctl.num_tokens_for(a, [a, b]) == 0
         ctl._plan = {}  # what observe_step does after each step
     assert len(calls) == 2  # planned, reused 4 times, planned again
-    ctl.observe_acceptance(a, 2, 2)  # new evidence: plan afresh
-    ctl.num_tokens_for(a, [a, b])
-    assert len(calls) == 3
+    for _ in range(26):  # each plan that again drafts nothing doubles the reuse: 4, 8, 16 (cap 32)
+        assert ctl.num_tokens_for(a, [a, b]) == 0
+        ctl._plan = {}
+    assert len(calls) == 4  # steps 0, 5, 14, 31
+    ctl.observe_acceptance(a, 2, 2)  # new evidence: plan afresh, and every 5th step again
+    for _ in range(6):
+        ctl.num_tokens_for(a, [a, b])
+        ctl._plan = {}
+    assert len(calls) == 6
