@@ -156,7 +156,7 @@ TOP_P_HEAD = 1024  # candidates the CPU top-p path sorts instead of the whole vo
 
 def _apply_top_k_top_p_head(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                             num_candidates: int = TOP_P_HEAD) -> torch.Tensor:
-    """The cut of `_apply_top_k_top_p_sorted`, from each row's `num_candidates` largest logits
+    """The cut of `_apply_top_k_top_p_sorted` (in place, like it), from each row's `num_candidates` largest logits
     (one `topk`, a partial selection, instead of a sort of the whole vocabulary: 49k-152k
     entries). Exact whenever the head holds the cut: top-k no larger than the head, no tie at
     its edge, and head mass reaching top-p (a token outside it then has at least top_p of the
@@ -177,8 +177,8 @@ def _apply_top_k_top_p_head(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     full = has_k & ((k > c) | (values[:, -1:] >= kth).squeeze(1) & (c < vocab_size))
     full |= ~has_k & has_p & (inclusive[:, -1] < top_p)
     active = (has_k | has_p) & ~full
-    out = torch.full_like(logits, float("-inf")).scatter_(1, index, head)
-    logits = torch.where(active[:, None], out, logits)
+    # in place: active rows become their kept head; other rows get their own head values back
+    logits.masked_fill_(active[:, None], float("-inf")).scatter_(1, index, torch.where(active[:, None], head, values))
     if full.any():
         rows = full.nonzero().squeeze(1)
         logits[rows] = _apply_top_k_top_p_sorted(logits[rows], top_k[rows], top_p[rows])

@@ -24,8 +24,7 @@ class SpecController:
         self._idle_limit = 4  # reuses before the next replan: doubles while replans keep drafting nothing
         self.replan_idle_every = 4
         self.replan_idle_max = 32
-        self._last_ids: set[str] = set()  # the decoding requests of the last plan that changed them
-        self._last_id_list: list[str] = []
+        self._last_ids: list[str] = []  # the decoding requests of the previous plan
         self.observe_plain_every = 8  # plain decode steps per cost-model observation
         if adaptive:
             from specdec.spec.adaptive import AcceptanceEstimator, StepCostModel, ThroughputGuard
@@ -92,9 +91,9 @@ class SpecController:
                 others += r.num_tokens - r.num_computed_tokens
                 prefilling = prefilling or not decoding
         ids = [r.request_id for r in reqs]
-        if ids and ids != self._last_id_list:
-            new = sum(1 for i in ids if i not in self._last_ids)
-            self._last_ids, self._last_id_list = set(ids), ids
+        if ids and ids != self._last_ids:  # (a list compare: the batch rarely changes)
+            new = len(set(ids).difference(self._last_ids))
+            self._last_ids = ids
             self.guard.requests_changed(len(ids), new / len(ids))
         if not reqs or (not prefilling and not self.guard.allow(len(reqs))):
             ks = [0] * len(reqs)  # nothing to draft, or speculating steps have been slower lately
