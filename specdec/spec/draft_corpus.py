@@ -77,6 +77,140 @@ SNIPPET_TEMPLATES = ["Explain what this Python code does:\n```python\n{s}\n```",
                      "Add comments to this Python code:\n```python\n{s}\n```",
                      "Are there any bugs or improvements in this code?\n```python\n{s}\n```"]
 
+# A second, larger prompt pool for ``--extra-chat-prompts`` (session 6): new subjects, new
+# templates in more conversational phrasings, and open tasks with their own slots, so the grid
+# holds ~15,000 distinct prompts. Every prompt here pairs a new template with any subject or a new
+# subject with any template, so none repeats a ``train_prompts`` prompt; held-out subjects
+# (``HELDOUT_CHAT`` / ``HELDOUT_CODE``) are left out by hand and ``check_heldout_disjoint`` checks
+# the strings. ``extra_prompts(n)`` is prefix-stable: a larger n appends, it never reorders.
+EXTRA_TOPICS = [" ".join(t.split()) for t in """sourdough starters; the Silk Road trade in spices; lighthouses;
+submarines; the Hubble telescope; skyscrapers; bridges; tsunamis; avalanches; caves; the Sahara; Antarctica;
+the Himalayas; the Nile; the Mediterranean diet; fermentation; cheese making; coffee roasting; wine regions;
+spices; the history of pizza; sushi; street food; food waste; composting; beekeeping; urban gardening;
+houseplants; bonsai; knitting; woodworking; pottery; painting with watercolors; calligraphy; film photography;
+podcasts; stand-up comedy; opera; the guitar; the piano; drums; hip hop; the Beatles; Shakespeare's plays;
+Greek mythology; Norse mythology; fairy tales; science fiction; detective novels; comic books; board games;
+card games; puzzles; crossword puzzles; the history of chess engines; esports; basketball; football; tennis;
+swimming; cycling; rock climbing; skiing; surfing; sailing; scuba diving; hot springs; national parks;
+zoos; wildlife photography; dogs; horses; owls; butterflies; frogs; snakes; spiders; dolphins; jellyfish;
+bats; squirrels; crows; migration of salmon; the carbon cycle; ocean acidification; deforestation;
+wind turbines; hydroelectric dams; geothermal energy; hydrogen fuel; nuclear fusion; 3D printing; drones;
+self-driving cars; virtual reality; augmented reality; the metaverse; cryptocurrency; credit scores;
+insurance; taxes; retirement savings; index funds; small businesses; entrepreneurship; marketing;
+negotiation; leadership; teamwork; productivity apps; habits; procrastination; motivation; stress;
+mindfulness; empathy; curiosity; creativity; critical thinking; memory; dreams; emotions; language
+acquisition in children; sign language; the history of the alphabet; translation; dictionaries; maps;
+navigation before GPS; clocks; calendars; the metric system; prime numbers; probability; statistics;
+algebra; geometry; calculus; infinity; the number zero; fractals; cryptography; encryption; passwords;
+computer viruses; operating systems; databases; the history of the personal computer; programming
+languages; version control; the World Wide Web; email; search engines; smart homes; wearable fitness
+trackers; public transport; high-speed rail; electric bicycles; space stations; rockets; comets; asteroids;
+Jupiter; Saturn's rings; exoplanets; the Big Bang; dark matter; neutron stars; the Northern Lights;
+eclipses; the ozone layer; clouds; fog; snowflakes; deserts at night; sand dunes; rivers; wetlands;
+mangroves; kelp forests; the deep sea; volcanic soil; soil erosion; irrigation; farming; tractors;
+the history of medicine; anesthesia; the microscope; blood types; the skeleton; muscles; the lungs;
+digestion; allergies; hydration; exercise; posture; eyesight; hearing; laughter; kindness; gratitude;
+the ancient Greeks; ancient Rome's roads; the Maya; the Incas; the Ottoman Empire; the Mongol Empire;
+samurai; knights; castles; the Titanic; the invention of the telephone; the light bulb; the steam engine;
+the printing of money; banks; trade; globalization; the United Nations; human rights; elections;
+newspapers; journalism; advertising; fashion; sneakers; tattoos; festivals; New Year traditions;
+birthdays; weddings; etiquette; tipping; moving to a new city; living abroad; studying abroad;
+homework; exams; online courses; libraries in the digital age""".split(";")]
+
+EXTRA_CHAT_TEMPLATES = [
+    "I'm curious about {t}. Can you explain it simply?", "Can you help me understand {t}?",
+    "Write a short speech about {t}.", "Make a three-question quiz about {t}, with the answers.",
+    "What is something surprising about {t}?", "Explain {t} like I'm a complete beginner.",
+    "Write a dialogue between a teacher and a student about {t}.", "What are the biggest myths about {t}?",
+    "Give me a short summary of {t} in bullet points.", "How has {t} changed over time?",
+    "Write a product description for something related to {t}.", "What would an expert say about {t}?",
+    "Write a motivational message inspired by {t}.", "What are three ways {t} affects everyday life?",
+    "Write a riddle about {t} and give the answer.", "If you had to teach {t} in five minutes, what would you say?",
+    "What is the future of {t}?", "What do {t} and {u} have in common?",
+    "Write a short news report about {t}.", "Write four lines of rhyming verse about {t}.",
+    "Give an analogy that explains {t}.", "What questions do people often ask about {t}? Answer two of them.",
+    "Write a diary entry from someone who loves {t}.", "Explain {t} in exactly three sentences.",
+    "What are some good books or resources for learning about {t}?", "Is {t} overrated? Give both sides.",
+]
+
+FOODS = [" ".join(t.split()) for t in """pancakes; lentil curry; guacamole; banana bread; tomato salad; fried rice;
+hummus; omelette; lemonade; apple pie; chicken stew; pesto pasta; oatmeal cookies; fruit smoothie; grilled
+cheese; chili; roasted potatoes; pizza dough; dumplings; rice pudding""".split(";")]
+PLACES = [" ".join(t.split()) for t in """Paris; Rome; Lisbon; Barcelona; Istanbul; Cairo; Marrakesh; Cape Town;
+New York; Mexico City; Buenos Aires; Vancouver; Reykjavik; Prague; Vienna; Edinburgh; Seoul; Bangkok;
+Singapore; Dublin""".split(";")]
+SITUATIONS = [" ".join(t.split()) for t in """starting a new job; moving into a first apartment; learning to cook;
+training for a 5k run; getting better sleep; making friends in a new city; studying for an exam; giving a
+presentation; asking for a raise; saving for a vacation; learning to swim as an adult; adopting a dog;
+working from home; staying focused while studying; dealing with a difficult coworker; planning a birthday
+party; reducing screen time; starting a podcast; writing a novel; learning to draw""".split(";")]
+TASK_TEMPLATES = [
+    "Give me a recipe for {f}.", "How do I make {f} at home?", "What goes well with {f}?",
+    "Plan a three-day trip to {p}.", "What should a first-time visitor see in {p}?",
+    "What food should I try in {p}?", "Give me tips for {s}.", "What mistakes should I avoid when {s}?",
+    "Make a weekly plan for {s}.", "My friend is {s}. What advice can I give them?",
+]
+
+EXTRA_CODE_TASKS = [" ".join(t.split()) for t in """counts how many times each word appears in a list; returns
+the second largest number in a list; checks whether a list is sorted; converts a dictionary to a list of
+key-value pairs sorted by key; computes the factorial of a number iteratively; finds the first non-repeating
+character in a string; removes all whitespace from a string; computes the average word length in a
+sentence; converts minutes to hours and minutes; checks whether a number is a perfect square; returns the
+common elements of three lists; zips two lists into a dictionary; finds the index of the smallest element;
+pads a string to a given width; truncates a string with an ellipsis; counts the uppercase letters in a
+string; replaces every vowel in a string with an asterisk; checks whether all elements of a list are unique;
+computes the cumulative sum of a list; interleaves two lists; finds all pairs in a list that sum to a target;
+returns the n most common elements of a list; converts a hex color to RGB; validates a phone number;
+checks whether a point lies inside a rectangle; computes the area of a polygon from its vertices; converts
+a list of strings to integers, skipping invalid ones; generates a multiplication table; prints a
+right-angled triangle of stars; implements insertion sort; implements merge sort; implements a min-heap;
+implements a trie for word lookup; finds the shortest path in a grid with obstacles; evaluates a
+postfix expression; tokenizes an arithmetic expression; counts the set bits of an integer; computes
+the greatest common divisor of a list of numbers; splits a sentence into words without using split;
+encodes a string with a Caesar cipher; decodes a Caesar cipher; computes the run-length encoding of a
+string; computes the diameter of a binary tree; computes the height of a binary tree; serializes a
+binary tree to a list; finds the longest common prefix of a list of strings; computes the longest
+increasing subsequence; computes Pascal's triangle; converts an integer to words in English""".split(";")]
+
+EXTRA_CODE_TEMPLATES = [
+    "Write a TypeScript function that {t}.", "Write a C# method that {t}.",
+    "Write a short Python program that {t}, and show an example run.",
+    "Write a Python function that {t}, with a few doctest examples.",
+    "Show me two different ways to write a Python function that {t}.",
+    "I need a function that {t}. Can you write it in Python and explain it briefly?",
+    "Write a Kotlin function that {t}.",
+]
+
+
+def extra_prompts(n: int, seed: int) -> list[tuple[str, str]]:
+    """The first n (domain, prompt) pairs of the extra pool: three chat prompts to one code task.
+    The pool is built and shuffled independently of n, so growing n only appends."""
+    rng = random.Random(f"extra-{seed}")
+    all_topics = TOPICS + EXTRA_TOPICS
+    chat = [tpl.format(t=t, u=all_topics[(i * 7 + 3) % len(all_topics)])
+            for tpl in EXTRA_CHAT_TEMPLATES for i, t in enumerate(all_topics)]
+    chat += [tpl.format(t=t, u=TOPICS[(i * 5 + 1) % len(TOPICS)])
+             for tpl in CHAT_TEMPLATES for i, t in enumerate(EXTRA_TOPICS)]
+    slots = {"{f}": ("f", FOODS), "{p}": ("p", PLACES), "{s}": ("s", SITUATIONS)}
+    chat += [tpl.format(**{key: value}) for tpl in TASK_TEMPLATES
+             for marker, (key, values) in slots.items() if marker in tpl for value in values]
+    chat = list(dict.fromkeys(chat))
+    all_tasks = CODE_TASKS + EXTRA_CODE_TASKS
+    code = [tpl.format(t=t) for tpl in EXTRA_CODE_TEMPLATES for t in all_tasks]
+    code += [tpl.format(t=t) for tpl in CODE_TEMPLATES for t in EXTRA_CODE_TASKS]
+    rng.shuffle(chat)
+    rng.shuffle(code)
+    pool: list[tuple[str, str]] = []
+    for i in range(max(len(chat), len(code) * 3)):
+        if i < len(chat):
+            pool.append(("chat", chat[i]))
+        if i % 3 == 2 and i // 3 < len(code):
+            pool.append(("code", code[i // 3]))
+    if n > len(pool):
+        raise ValueError(f"extra_chat_prompts must be at most {len(pool)} (the extra pool's size), got {n}")
+    return pool[:n]
+
+
 HELDOUT_CHAT = [
     "Can you tell me why the sky looks red at sunset?", "What should I pack for a weekend camping trip?",
     "Write a limerick about a forgetful robot.", "How do tardigrades survive extreme conditions?",
@@ -210,18 +344,21 @@ def sample_tokens(tokenizer, texts: list[str], budget: int, max_per_doc: int, rn
 
 
 def generate_answers(target_dir, tokenizer, prompts: list[tuple[str, str]], cfg, path: Path, greedy: bool,
-                     max_new_tokens: int) -> list[dict]:
+                     max_new_tokens: int, calls_per_write: int = 1) -> list[dict]:
     """The target's answers through its chat template, written by specdec's own engine (continuous
     batching: ~10x transformers ``generate`` on CPU here) and appended to a jsonl file batch by batch
     (resumable). Even batches are greedy (what greedy speculation replays), odd ones sampled at
     T=0.7, top-k 40 for variety (top-k needs no full-vocabulary sort: 2.5x faster than top-p at batch
-    64 on CPU), unless ``greedy``."""
+    64 on CPU), unless ``greedy``. ``calls_per_write`` > 1 hands that many batches to one
+    ``generate`` call, so a finished answer's slot is refilled at once instead of the batch draining
+    to its longest answer (same prompts and sampling settings per prompt)."""
     from tqdm.auto import tqdm
 
     from specdec.llm import LLM
     from specdec.sampling_params import SamplingParams
 
     done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    done = done[:len(prompts)]   # a file grown by a larger prompt count serves any prefix of it
     if [r["prompt"] for r in done] != [p for _, p in prompts[:len(done)]]:
         raise ValueError(f"{path} holds answers to other prompts (other --num-chat-prompts or --seed?); "
                          f"pass another --work-dir")
@@ -232,21 +369,22 @@ def generate_answers(target_dir, tokenizer, prompts: list[tuple[str, str]], cfg,
     bar = tqdm(total=len(prompts), initial=len(done), desc=f"generate {path.stem}", disable=not cfg.progress,
                mininterval=5)
     with path.open("a") as f:
-        for start in range(len(done), len(prompts), cfg.gen_batch_size):
-            batch = prompts[start:start + cfg.gen_batch_size]
+        step = cfg.gen_batch_size * calls_per_write
+        for start in range(len(done), len(prompts), step):
+            batch = prompts[start:start + step]
             encoded = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                                add_generation_prompt=True),
                                  add_special_tokens=False).input_ids for _, p in batch]
-            sample = not greedy and (start // cfg.gen_batch_size) % 2 == 1
+            sample = [not greedy and ((start + i) // cfg.gen_batch_size) % 2 == 1 for i in range(len(batch))]
             params = [SamplingParams(temperature=0.7, top_k=40, seed=cfg.seed + start + i, max_tokens=max_new_tokens)
-                      if sample else SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+                      if sample[i] else SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
                       for i in range(len(batch))]
             outputs = llm.generate(encoded, params, use_tqdm=False)
-            for (domain, prompt), prompt_ids, out in zip(batch, encoded, outputs):
+            for (domain, prompt), prompt_ids, out, sampled in zip(batch, encoded, outputs, sample):
                 # the stop token is kept: the draft must learn where answers end
                 new = list(out.outputs[0].token_ids)
                 record = {"domain": domain, "prompt": prompt, "ids": prompt_ids + new,
-                          "start": len(prompt_ids), "greedy": not sample}
+                          "start": len(prompt_ids), "greedy": not sampled}
                 f.write(json.dumps(record) + "\n")
                 done.append(record)
             f.flush()
@@ -278,6 +416,8 @@ def build_corpus(target_dir, tokenizer, cfg, work: Path) -> dict:
     corpus.pt and rebuilt when a corpus setting changes."""
     path = work / "corpus.pt"
     key = {name: getattr(cfg, name) for name in CORPUS_FIELDS}
+    if cfg.extra_chat_prompts:   # in the key only when used: older work dirs keep their key
+        key["extra_chat_prompts"] = cfg.extra_chat_prompts
     if path.exists():
         data = torch.load(path)
         if data.get("key", key) == key:
@@ -291,6 +431,12 @@ def build_corpus(target_dir, tokenizer, cfg, work: Path) -> dict:
         check_heldout_disjoint(prompts)
         docs += [r["ids"] for r in generate_answers(target_dir, tokenizer, prompts, cfg, work / "chat_train.jsonl",
                                                     greedy=False, max_new_tokens=cfg.max_new_tokens)]
+        if cfg.extra_chat_prompts:
+            extra = extra_prompts(cfg.extra_chat_prompts, cfg.seed)
+            check_heldout_disjoint(extra)
+            docs += [r["ids"] for r in generate_answers(target_dir, tokenizer, extra, cfg, work / "chat_extra.jsonl",
+                                                        greedy=False, max_new_tokens=cfg.max_new_tokens,
+                                                        calls_per_write=4)]
         heldout = [("chat", p) for p in HELDOUT_CHAT[:cfg.num_eval_prompts]] + \
                   [("code", p) for p in HELDOUT_CODE[:cfg.num_eval_prompts]]
         eval_items += generate_answers(target_dir, tokenizer, heldout, cfg, work / "chat_eval.jsonl", greedy=True,

