@@ -11,7 +11,9 @@
   must never be slower than speculation off.
 Every configuration runs on the same engine weights, same prompts, same sampling, in one
 process, interleaved over repetitions; the table reports median tokens/s and the median of
-per-repetition speedups vs off. Each repetition starts the rotation one configuration later (no
+per-repetition speedups vs off, after ``--warmup`` untimed runs of every configuration (a fresh
+engine's first run at a workload's shapes measured 0.91x a warm plain engine's with no
+speculation in it at all). Each repetition starts the rotation one configuration later (no
 configuration always runs right after the same other one) and every timed run starts after a
 garbage collection. The open and batch workloads' runs are short (~5 s), so they get
 ``--short-repeats`` repetitions (default 3 x ``--repeats``), and an A/A control: ``off-again``,
@@ -111,11 +113,12 @@ def bench_workloads(args) -> dict:
         times = {name: [] for name in names}
         extra = {}
         repeats = (args.short_repeats or 3 * args.repeats) if short else args.repeats
-        for r in range(repeats):  # interleaved A/B/C..., B/C/.../A, ...
+        warmup = {name: [] for name in names}
+        for r in range(-args.warmup, repeats):  # interleaved A/B/C..., B/C/.../A, ...
             for name in names[r % len(names):] + names[:r % len(names)]:
                 llm = engines[name]
                 elapsed, tokens, info = run_config(llm, ids, params)
-                times[name].append(tokens / elapsed)
+                (times if r >= 0 else warmup)[name].append(tokens / elapsed)
                 extra[name] = info
         ref = extra["off"]["outputs"]
         rows = {}
@@ -126,6 +129,7 @@ def bench_workloads(args) -> dict:
             # at most), then the median: this VM's speed drifts more between repetitions
             ratios = [t / b for t, b in zip(times[name], times["off"])]
             rows[name] = {"tokens_per_s": tps, "speedup": statistics.median(ratios), "speedup_per_repeat": ratios,
+                          "warmup_speedups": [t / b for t, b in zip(warmup[name], warmup["off"])],
                           "identical_outputs": f"{same}/{len(ref)}",
                           "acceptance_rate": extra[name]["acceptance_rate"],
                           "mean_acceptance_length": extra[name]["mean_acceptance_length"]}
@@ -173,6 +177,10 @@ def add_workloads_parser(bench_sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--short-repeats", type=int, default=None,
                    help="repetitions of the short open and batch workloads (default: 3 x --repeats)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed runs of every configuration before each workload's repetitions (an engine's "
+                        "first run at a workload's shapes is slow, by 0.1-0.2x here); their speedups are kept "
+                        "in the JSON as warmup_speedups")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=cmd_workloads)
     return p

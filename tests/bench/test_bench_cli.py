@@ -222,6 +222,7 @@ def test_workloads_rotate_configs_and_pair_each_repetition(llama_path, tmp_path)
         assert w["rows"]["off"]["speedup_per_repeat"] == [1.0] * repeats
         for name, row in w["rows"].items():
             assert len(row["speedup_per_repeat"]) == repeats
+            assert len(row["warmup_speedups"]) == 1  # the untimed first run, kept apart
             assert row["identical_outputs"] == f"{n}/{n}"
             ratios = sorted(row["speedup_per_repeat"])
             assert row["speedup"] == pytest.approx(ratios[len(ratios) // 2] if len(ratios) % 2
