@@ -224,7 +224,7 @@ class LLMEngine:
         stats = SpecDecodeStats()
         for i, child in enumerate(group.children):
             finished = child.is_finished
-            text = self.output.final_text(child) if finished or child.sampling_params.stop else self.output.decode(child)
+            text = self.output.final_text(child) if finished else self.output.running_text(child)
             cum = None
             if child.output_logprobs is not None:
                 cum = sum(d[t] for d, t in zip(child.output_logprobs, child.output_token_ids))

@@ -8,10 +8,18 @@ text unless ``include_stop_str_in_output``; a match must end in text that a toke
 token ids but, as in vLLM, not in its text (unless ``include_stop_str_in_output``). While a
 request with stop strings runs, its text holds back the last ``len(longest stop) - 1``
 characters, so streamed text never has to be taken back.
+
+Running text is detokenised incrementally (``update_text``), as in TGI and vLLM: each call
+decodes only the tokens since the last emitted piece plus the few before them as context
+(a byte-level or SentencePiece token's text depends on its neighbours), and waits while the
+text ends in an incomplete UTF-8 character. A full decode per token made stop strings and
+streaming O(length) per token (SmolLM2's tokenizer: 0.04 ms at 100 output tokens, 0.20 ms at
+1,000, i.e. 6 ms of a ~40 ms batch-32 step when streaming long answers; a window pair: 0.005 ms).
+A finished request's text is still one full decode (exactly ``tokenizer.decode``'s text), so
+only text seen while running can differ from it, for tokenizers whose decode cleans up spaces
+across a window's edge; the server sends what lies beyond in that case.
 """
 from __future__ import annotations
-
-import os
 
 from specdec.engine.request import Request, RequestStatus
 
@@ -23,6 +31,24 @@ class OutputProcessor:
 
     def decode(self, req: Request) -> str:
         return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens)
+
+    def update_text(self, req: Request) -> str:
+        """``req.output_text`` extended to the tokens appended since the last call; returns it."""
+        ids, skip = req.output_token_ids, req.sampling_params.skip_special_tokens
+        if req.detok_read_offset >= len(ids):
+            return req.output_text
+        prefix, read = req.detok_prefix_offset, req.detok_read_offset
+        known = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=skip) if read > prefix else ""
+        text = self.tokenizer.decode(ids[prefix:], skip_special_tokens=skip)
+        if len(text) > len(known) and not text.endswith("\ufffd"):
+            # (a window that decodes to less than its context, e.g. a special token skipped, waits)
+            req.output_text += text[len(known):]
+            req.detok_prefix_offset, req.detok_read_offset = read, len(ids)
+        return req.output_text
+
+    def running_text(self, req: Request) -> str:
+        """A running request's text so far (stop-string hold-back applied when it has stop strings)."""
+        return self.final_text(req) if req.sampling_params.stop else self.update_text(req)
 
     def append_token(self, req: Request, token: int) -> RequestStatus | None:
         """Append one token; return the finishing status if this token ends the request."""
@@ -45,12 +71,10 @@ class OutputProcessor:
 
     def _check_stop_strings(self, req: Request, match: bool) -> bool:
         params = req.sampling_params
-        previous, text = req.output_text, self.decode(req)
-        req.output_text = text
+        new_from = len(req.output_text)  # where this token's text begins (the incremental text only grows)
+        text = self.update_text(req)
         if not match:
             return False
-        # where this token's text begins (a trailing partial UTF-8 character may have been rewritten)
-        new_from = len(previous) if text.startswith(previous) else len(os.path.commonprefix([previous, text]))
         for stop in params.stop:
             idx = text.find(stop, max(0, new_from - len(stop) + 1))  # the match must end in the new text
             if idx >= 0:

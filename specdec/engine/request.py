@@ -44,6 +44,10 @@ class Request:
     generator: torch.Generator | None = None
     stop_reason: int | str | None = None
     output_text: str = ""
+    # owned by the output processor: output_text covers output_token_ids[:detok_read_offset];
+    # tokens from detok_prefix_offset on are re-decoded as context for the next piece
+    detok_prefix_offset: int = 0
+    detok_read_offset: int = 0
     output_logprobs: list[dict[int, float]] | None = None
     # metrics
     first_token_time: float | None = None
