@@ -79,7 +79,7 @@ SNIPPET_TEMPLATES = ["Explain what this Python code does:\n```python\n{s}\n```",
 
 # A second, larger prompt pool for ``--extra-chat-prompts`` (session 6): new subjects, new
 # templates in more conversational phrasings, and open tasks with their own slots, so the grid
-# holds ~15,000 distinct prompts. Every prompt here pairs a new template with any subject or a new
+# holds 15,674 distinct prompts. Every prompt here pairs a new template with any subject or a new
 # subject with any template, so none repeats a ``train_prompts`` prompt; held-out subjects
 # (``HELDOUT_CHAT`` / ``HELDOUT_CODE``) are left out by hand and ``check_heldout_disjoint`` checks
 # the strings. ``extra_prompts(n)`` is prefix-stable: a larger n appends, it never reorders.
@@ -183,8 +183,9 @@ EXTRA_CODE_TEMPLATES = [
 
 
 def extra_prompts(n: int, seed: int) -> list[tuple[str, str]]:
-    """The first n (domain, prompt) pairs of the extra pool: three chat prompts to one code task.
-    The pool is built and shuffled independently of n, so growing n only appends."""
+    """The first n (domain, prompt) pairs of the extra pool (15,674: 14,582 chat, 1,092 code):
+    three chat prompts to one code task for the first 4,368, chat only after that. The pool is
+    built and shuffled independently of n, so growing n only appends."""
     rng = random.Random(f"extra-{seed}")
     all_topics = TOPICS + EXTRA_TOPICS
     chat = [tpl.format(t=t, u=all_topics[(i * 7 + 3) % len(all_topics)])

