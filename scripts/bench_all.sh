@@ -93,7 +93,7 @@ if want qwen; then
 fi
 
 if want workloads; then
-    $SPECDEC bench workloads --model SmolLM2-135M-Instruct --methods ngram suffix --k 5 --repeats 5 \
+    $SPECDEC bench workloads --model SmolLM2-135M-Instruct --methods ngram suffix --k 5 --repeats 3 --short-repeats 16 \
         --output-json "$OUT/workloads_smollm2.json"
 fi
 
