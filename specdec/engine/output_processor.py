@@ -47,8 +47,11 @@ class OutputProcessor:
         return req.output_text
 
     def running_text(self, req: Request) -> str:
-        """A running request's text so far (stop-string hold-back applied when it has stop strings)."""
-        return self.final_text(req) if req.sampling_params.stop else self.update_text(req)
+        """A running request's text so far, less the stop-string hold-back (see ``final_text``)."""
+        text, params = self.update_text(req), req.sampling_params
+        if params.stop and not params.include_stop_str_in_output:
+            return text[: max(0, len(text) - max(len(s) for s in params.stop) + 1)]
+        return text
 
     def append_token(self, req: Request, token: int) -> RequestStatus | None:
         """Append one token; return the finishing status if this token ends the request."""
@@ -91,8 +94,8 @@ class OutputProcessor:
         if req.status == RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output:
             # stopped by EOS or a stop token id: the token is in token_ids, not in the text
             return self.tokenizer.decode(req.output_token_ids[:-1], skip_special_tokens=params.skip_special_tokens)
-        if not req.is_finished and params.stop and not params.include_stop_str_in_output:
+        if not req.is_finished:
             # vLLM's stop buffer: hold back a tail that may still become a stop string, so that
-            # streamed text only ever grows (output_text is current: it is updated every token)
-            return req.output_text[: max(0, len(req.output_text) - max(len(s) for s in params.stop) + 1)]
+            # streamed text only ever grows
+            return self.running_text(req)
         return self.decode(req)
