@@ -9,8 +9,8 @@
   stay within a few percent of no speculation.
 - ``batch``: many open-ended requests at once (verification is no longer free): ``"auto"``
   must never be slower than speculation off.
-Every configuration runs on the same engine weights (one copy in memory, shared), same prompts, same sampling, in one
-process, interleaved over repetitions; the table reports median tokens/s and the median of
+Every configuration runs on the same engine weights (one copy in memory, shared), same prompts,
+same sampling, in one process, interleaved over repetitions; the table reports median tokens/s and the median of
 per-repetition speedups vs off, after ``--warmup`` untimed runs of every configuration (a fresh
 engine's first run at a workload's shapes measured 0.91x a warm plain engine's with no
 speculation in it at all). Each repetition starts the rotation one configuration later (no

@@ -47,7 +47,8 @@ class OutputProcessor:
         return req.output_text
 
     def running_text(self, req: Request) -> str:
-        """A running request's text so far, less the stop-string hold-back (see ``final_text``)."""
+        """A running request's text so far. With stop strings, vLLM's stop buffer: the tail that
+        may still become a stop string is held back, so that streamed text only ever grows."""
         text, params = self.update_text(req), req.sampling_params
         if params.stop and not params.include_stop_str_in_output:
             return text[: max(0, len(text) - max(len(s) for s in params.stop) + 1)]
@@ -88,14 +89,11 @@ class OutputProcessor:
         return False
 
     def final_text(self, req: Request) -> str:
+        """A finished request's text: one full decode, cut as its stop requires (module docstring)."""
         params = req.sampling_params
         if isinstance(req.stop_reason, str):
             return req.output_text  # already cut at the stop string
         if req.status == RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output:
             # stopped by EOS or a stop token id: the token is in token_ids, not in the text
             return self.tokenizer.decode(req.output_token_ids[:-1], skip_special_tokens=params.skip_special_tokens)
-        if not req.is_finished:
-            # vLLM's stop buffer: hold back a tail that may still become a stop string, so that
-            # streamed text only ever grows
-            return self.running_text(req)
         return self.decode(req)
