@@ -166,6 +166,7 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     model = prepare_for_inference(model, cfg.quantization, device)
     num_blocks = _num_blocks(cfg, device, bytes_per_block, max_model_len, max_k)
     runner = ModelRunner(model, num_blocks, cfg.block_size, device, dtype)
+    runner.reuse_logits = True  # one target forward per step; its logits are dead by the next
     kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len, cfg.enable_chunked_prefill)
     draft_runner = ModelRunner(draft_model, num_blocks, cfg.block_size, device, draft_dtype) if draft_model else None

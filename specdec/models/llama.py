@@ -141,8 +141,10 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [N, V]
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, V] float32 logits, into ``out`` when given (``ModelRunner.reuse_logits``)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)
 
     # ---- loading: Hugging Face names -> fused modules ----
     _stacked = (

@@ -96,7 +96,7 @@ def our_logits(llm: LLM, prompts: list[list[int]], chunk: int | None = None) -> 
         logits = runner.forward(batch)
         row = 0
         for i, f in zip(live, feeds):
-            out[i].append(logits[row:row + len(f)])
+            out[i].append(logits[row:row + len(f)].clone())  # the engine's runner reuses its logits buffer
             row += len(f)
     return [torch.cat(parts) for parts in out]
 
@@ -206,3 +206,24 @@ def test_preemption_gives_the_same_tokens(llama_path, hf_reference):
     assert_matches_hf(run_greedy(llm, prompts), prompts, greedy)
     assert llm.get_metrics()["num_preemptions"] > 0
     assert llm.engine.kv.pool.num_free_blocks == 15
+
+
+def test_the_engine_runner_reuses_one_logits_buffer(llama_path):
+    """The target runner writes logits into one grown buffer (no fresh [rows, V] float32 tensor
+    per step); values equal a runner that allocates, and a larger batch grows the buffer."""
+    llm = LLM(model=llama_path, **ENGINE, max_model_len=256)
+    runner = llm.engine.runner
+    assert runner.reuse_logits
+    feeds = [[3, 4, 5, 6], [7, 8, 9]]
+    batch = runner.prepare(feeds, [0, 0], [[0], [1]], [list(range(len(f))) for f in feeds])
+    first = runner.forward(batch).clone()
+    again = runner.forward(batch)
+    assert again.data_ptr() == runner.forward(batch).data_ptr()  # the same storage, step after step
+    runner.reuse_logits = False
+    fresh = runner.forward(batch)
+    assert fresh.data_ptr() != again.data_ptr()
+    torch.testing.assert_close(first, fresh, rtol=0, atol=0)
+    runner.reuse_logits = True
+    wide = [[3 + i, 4 + i] for i in range(8)]
+    big = runner.forward(runner.prepare(wide, [0] * 8, [[i] for i in range(8)], [[0, 1]] * 8))
+    assert big.shape == (16, first.shape[1]) and runner._logits_buf.shape[0] >= 16

@@ -69,3 +69,17 @@ def test_a_plan_that_drafts_nothing_is_reused_a_few_steps_until_acceptance_chang
         ctl.num_tokens_for(a, [a, b])
         ctl._plan = {}
     assert len(calls) == 6
+
+
+def test_the_cost_model_is_fed_the_rows_the_target_ran_not_the_slots_reserved():
+    from specdec.engine.scheduler import SchedulerOutput
+    from specdec.spec.proposer import DraftProposal
+
+    reqs = [decoding(f"r{i}", 256, 10) for i in range(4)]
+    ctl = controller()
+    seen = []
+    ctl.cost.observe = lambda kind, num_tokens, seconds: seen.append((kind, num_tokens))
+    # K = 4 reserved for each of 4 requests (20 rows), but the proposer found drafts for one only
+    sched = SchedulerOutput(reqs, [1] * 4, [4] * 4)
+    ctl.observe_step(sched, DraftProposal([[5, 6], [], [], []], None), 0.0, 0.01)
+    assert seen == [("target", 6)]
