@@ -91,13 +91,12 @@ class EagleHead(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._vocab_weight is None:
-            return self.target[0].compute_logits(hidden, out=out)
+            return self.target[0].compute_logits(hidden)
         small = F.linear(hidden.to(self._vocab_weight.dtype), self._vocab_weight).float()  # [N, n]
-        if out is None:
-            out = small.new_empty((hidden.shape[0], self.target[0].config.vocab_size))
-        return out.fill_(float("-inf")).index_copy_(1, self.draft_vocab, small)
+        out = small.new_full((hidden.shape[0], self.target[0].config.vocab_size), float("-inf"))
+        return out.index_copy_(1, self.draft_vocab, small)
 
     def load_weights(self, weights) -> None:
         """Hugging Face names (q/k/v, gate/up separate) -> the fused layer, through the Llama loader."""

@@ -110,11 +110,11 @@ class ModelRunner:
 
     def _logits_out(self, num_rows: int) -> torch.Tensor:
         """[num_rows, V] float32 view of the reused buffer (grown, never shrunk)."""
-        vocab = self.model.config.vocab_size
         buf = self._logits_buf
         if buf is None or buf.shape[0] < num_rows:
-            buf = self._logits_buf = torch.empty(max(num_rows, 2 * (0 if buf is None else buf.shape[0])), vocab,
-                                                 dtype=torch.float32, device=self.device)
+            rows = num_rows if buf is None else max(num_rows, 2 * buf.shape[0])
+            buf = self._logits_buf = torch.empty(rows, self.model.config.vocab_size, dtype=torch.float32,
+                                                 device=self.device)
         return buf[:num_rows]
 
     # ---- graphs (GPU) ----

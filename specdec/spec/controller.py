@@ -133,11 +133,12 @@ class SpecController:
         if self.cost is None:
             return
         self._plan = {}
-        num_drafting = sum(1 for d in proposal.draft_token_ids if d)
+        drafted = proposal.num_draft_tokens
+        num_drafting = sum(1 for n in drafted if n)
         # the rows the target really ran: a proposer may fill fewer draft slots than were reserved
         # (suffix / n-gram with no match), and pricing the reserved count taught the model that
         # 128 rows cost what 45 did (batch 32, K = 3 planned, ~13 drafts found), so it planned 128
-        num_rows = sum(sched.num_scheduled_tokens) + sum(len(d) for d in proposal.draft_token_ids)
+        num_rows = sum(sched.num_scheduled_tokens) + sum(drafted)
         if not num_drafting and num_rows == len(sched.requests):
             # plain decode steps repeat one shape: a sample of them keeps that knot current (its EMA
             # moves 5% per observation); observing each cost ~0.25 ms of a 35 ms batch-32 step
@@ -146,7 +147,7 @@ class SpecController:
                 return
         self.cost.observe("target", num_rows, t_target)
         if num_drafting and self.draft_is_model:
-            steps = max(len(d) for d in proposal.draft_token_ids)
+            steps = max(drafted)
             self.cost.observe("draft", num_drafting, t_draft / steps)
 
     def observe_outcome(self, sched, proposal, num_emitted: int, seconds: float) -> None:
