@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, fields
 
 SPEC_METHODS = ("draft_model", "eagle", "ngram", "suffix", "replay")
 MAX_SPEC_TOKENS = 16
+MAX_TREE_TOPK = 8
+MAX_TREE_NODES = 64
 QUANTIZATION_METHODS = (None, "int8", "int8_dynamic")
 ATTENTION_BACKENDS = ("auto", "reference", "torch", "triton")
 
@@ -21,6 +23,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     acceptance: float = 0.8  # "replay" (benchmark only): probability a proposed token is kept correct
+    # token trees (methods "eagle" and "draft_model", fixed K): the draft keeps its top ``tree_topk``
+    # candidates per expanded node, expands the ``tree_topk`` likeliest nodes of each depth up to K,
+    # and sends its ``tree_nodes`` likeliest nodes to verification (``specdec.spec.tree``); 1 = a chain
+    tree_topk: int = 1
+    tree_nodes: int | None = None  # default: 3 * K
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -47,6 +54,18 @@ class SpeculativeConfig:
             )
         if not 0.0 <= self.acceptance <= 1.0:
             raise ValueError(f"speculative_config.acceptance must be in [0, 1], got {self.acceptance}")
+        if not isinstance(self.tree_topk, int) or not 1 <= self.tree_topk <= MAX_TREE_TOPK:
+            raise ValueError(f"speculative_config.tree_topk must be in 1..{MAX_TREE_TOPK}, got {self.tree_topk!r}")
+        if self.tree_nodes is not None and (not isinstance(self.tree_nodes, int)
+                                            or not 1 <= self.tree_nodes <= MAX_TREE_NODES):
+            raise ValueError(f"speculative_config.tree_nodes must be in 1..{MAX_TREE_NODES}, got {self.tree_nodes!r}")
+        if self.is_tree:
+            if self.method not in ("eagle", "draft_model"):
+                raise ValueError(f"speculative_config.tree_topk > 1 needs method 'eagle' or 'draft_model' (a draft "
+                                 f"that scores candidates), got {self.method!r}")
+            if self.is_adaptive:
+                raise ValueError("speculative_config.tree_topk > 1 needs a fixed num_speculative_tokens (the "
+                                 "tree's depth), not 'auto'")
 
     @property
     def is_adaptive(self) -> bool:
@@ -55,6 +74,22 @@ class SpeculativeConfig:
     @property
     def max_k(self) -> int:
         return self.max_num_speculative_tokens if self.is_adaptive else int(self.num_speculative_tokens)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.tree_topk > 1
+
+    @property
+    def num_tree_nodes(self) -> int:
+        return self.tree_nodes if self.tree_nodes is not None else 3 * self.max_k
+
+    @property
+    def num_spec_slots(self) -> int:
+        """KV slots a request reserves for drafts: K for a chain; for a tree the nodes verified,
+        or the nodes its draft expands if more (they are written to the draft's cache)."""
+        if not self.is_tree:
+            return self.max_k
+        return max(self.num_tree_nodes, self.tree_topk * (self.max_k - 1))
 
     @classmethod
     def from_any(cls, value, **legacy) -> SpeculativeConfig | None:

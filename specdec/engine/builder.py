@@ -133,7 +133,7 @@ def build_engine_parts(cfg: EngineConfig) -> EngineParts:
     model = load_model(path, dtype, device, attn_backend, config)
 
     spec = cfg.speculative_config
-    max_k = spec.max_k if spec else 0
+    max_k = spec.num_spec_slots if spec else 0
     bytes_per_block = ModelRunner.kv_bytes_per_block(config, cfg.block_size, dtype)
     draft_model = draft_cfg = draft_dtype = None
     if spec is not None and spec.method == "draft_model":
@@ -242,17 +242,23 @@ def check_vocab_compatible(tokenizer, config, draft_tokenizer, draft_config, dra
         )
 
 
+def _tree_args(spec) -> dict:
+    if not spec.is_tree:
+        return {}
+    return {"tree_topk": spec.tree_topk, "tree_depth": spec.max_k, "tree_nodes": spec.num_tree_nodes}
+
+
 def build_proposer(spec, draft_runner, kv, vocab_size):
     from specdec.spec.proposer import TokenListProposer
 
     if spec.method == "draft_model":
         from specdec.spec.draft_model import DraftModelProposer
 
-        return DraftModelProposer(draft_runner, kv, vocab_size)
+        return DraftModelProposer(draft_runner, kv, vocab_size, **_tree_args(spec))
     if spec.method == "eagle":
         from specdec.spec.eagle import EagleProposer
 
-        return EagleProposer(draft_runner, kv, vocab_size)
+        return EagleProposer(draft_runner, kv, vocab_size, **_tree_args(spec))
     if spec.method == "ngram":
         from specdec.spec.ngram import NgramProposer
 

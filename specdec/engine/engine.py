@@ -14,6 +14,7 @@ from specdec.layers.logits_processor import process_target_logits
 from specdec.layers.sampler import SamplingMetadata
 from specdec.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats
 from specdec.sampling_params import SamplingParams
+from specdec.spec import tree
 from specdec.spec.proposer import DraftProposal
 
 
@@ -124,7 +125,8 @@ class LLMEngine:
 
     def run_target(self, sched: SchedulerOutput, proposal: DraftProposal):
         feeds, starts, tables, logit_rows, sampled = [], [], [], [], []
-        for req, n, drafts in zip(sched.requests, sched.num_scheduled_tokens, proposal.draft_token_ids):
+        tree_positions, tree_masks = [], []
+        for i, (req, n, drafts) in enumerate(zip(sched.requests, sched.num_scheduled_tokens, proposal.draft_token_ids)):
             start = req.num_computed_tokens
             feed = req.all_token_ids[start:start + n] + drafts
             completes = start + n == req.num_tokens
@@ -134,12 +136,22 @@ class LLMEngine:
             # a chunk that completes the prompt, a decode row, or K+1 verification rows
             logit_rows.append(list(range(n - 1, len(feed))) if completes else [])
             sampled.append(completes)
-        batch = self.runner.prepare(feeds, starts, tables, logit_rows)
+            positions, mask = None, None
+            if proposal.is_tree and drafts:  # nodes at slots start + n + i, positions start + n - 1 + depth
+                parents = proposal.draft_parents[i]
+                positions = list(range(start, start + n)) + [start + n - 1 + d for d in tree.depths(parents)]
+                mask = (start + n, tree.ancestor_mask(parents, rows_before=n).to(self.device))
+            tree_positions.append(positions)
+            tree_masks.append(mask)
+        batch = self.runner.prepare(feeds, starts, tables, logit_rows, tree_positions, tree_masks)
         self._target_rows = (starts, batch.attn.query_start_loc_cpu[:-1])  # where each request's rows are
         logits = self.runner.forward(batch)  # [num_rows, V]
         return logits, sampled
 
     def verify(self, sched, proposal, logits, sampled):
+        """(tokens [R, max_k + 1], num_accepted [R]) for the sampled requests; for token trees
+        also ``self._tree_verdicts`` (the accepted path per sampled request)."""
+        self._tree_verdicts = None
         idx = [i for i, s in enumerate(sampled) if s]
         if not idx:
             return None, None
@@ -148,7 +160,14 @@ class LLMEngine:
         meta = SamplingMetadata.from_params([r.sampling_params for r in reqs], [r.generator for r in reqs], self.device)
         num_draft = [len(d) for d in drafts]
         meta_rows = meta.expand([k + 1 for k in num_draft])
-        logits = process_target_logits(logits, reqs, drafts, meta_rows)
+        logits = process_target_logits(logits, reqs, [proposal.row_histories(i) for i in idx], meta_rows)
+        if proposal.is_tree:
+            verdicts = tree.verify_trees(logits, [(proposal.draft_token_ids[i], proposal.draft_parents[i]) for i in idx],
+                                         meta)
+            self._tree_verdicts = verdicts
+            width = max(len(v.tokens) for v in verdicts)
+            tokens = torch.tensor([v.tokens + [-1] * (width - len(v.tokens)) for v in verdicts], dtype=torch.int64)
+            return tokens, torch.tensor([len(v.path) for v in verdicts], dtype=torch.int64)
         draft_ids = torch.tensor([t for d in drafts for t in d], dtype=torch.int64, device=self.device)
         # requests that are not sampled (partial prefills) never carry drafts: q rows stay aligned
         return self.rejection_sampler(logits, draft_ids, num_draft, proposal.draft_probs, meta)
@@ -169,9 +188,13 @@ class LLMEngine:
                 continue
             accepted = accepted_list[k]
             emitted = tokens_list[k][: accepted + 1]
+            verdict = self._tree_verdicts[k] if self._tree_verdicts is not None else None
             k += 1
+            if verdict is not None and verdict.path != list(range(accepted)):
+                self._compact_tree_path(req, n, verdict.path, self._target_rows[1][i])
             if req.num_output_tokens:  # a decode/verify step (not a prompt's first token)
-                self.spec_metrics.observe(num_drafted, accepted)
+                depth = max(tree.depths(proposal.draft_parents[i]), default=0) if proposal.is_tree else None
+                self.spec_metrics.observe(num_drafted, accepted, depth)
             if num_drafted:
                 req.num_drafts += 1
                 req.num_draft_tokens += num_drafted
@@ -181,7 +204,8 @@ class LLMEngine:
             status = None
             for j, token in enumerate(emitted):
                 if req.output_logprobs is not None:
-                    req.output_logprobs.append(self._token_logprobs(logprobs_rows, row + j, token, req))
+                    scored_by = row + (verdict.rows[j] if verdict is not None else j)
+                    req.output_logprobs.append(self._token_logprobs(logprobs_rows, scored_by, token, req))
                 status = self.output.append_token(req, token)
                 self.spec_metrics.num_emitted_tokens += 1
                 if status is not None:
@@ -201,6 +225,20 @@ class LLMEngine:
             if group is not None and (status is not None or not self.final_outputs_only):
                 touched[group.request_id] = group
         return [self._group_output(g, now) for g in touched.values()]
+
+    def _compact_tree_path(self, req: Request, n: int, path: list[int], first_row: int) -> None:
+        """Move the accepted tree nodes' KV (and, for EAGLE, their hidden states) to the
+        consecutive positions they now hold: node i sat at position num_computed + n + i."""
+        first = req.num_computed_tokens + n
+        blocks = self.kv.get_block_ids(req.request_id)
+        moves = [(first + node, first + j) for j, node in enumerate(path) if node != j]
+        self.runner.move_kv([self.runner.slot_of(blocks, s) for s, _ in moves],
+                            [self.runner.slot_of(blocks, d) for _, d in moves])
+        hidden = self.runner.last_hidden
+        if hidden is not None:
+            with torch.inference_mode():
+                src = torch.tensor([first_row + n + node for node in path], device=hidden.device)
+                hidden[first_row + n:first_row + n + len(path)] = hidden[src]
 
     def _logprobs_source(self, sched, proposal, logits, sampled):
         reqs = [r for r, s in zip(sched.requests, sampled) if s]

@@ -193,6 +193,13 @@ def paged_attention_triton(
     num_kv_splits: int | None = None,  # None: chosen from meta's host copies; fix it for CUDA graphs
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows past query_start_loc[-1] are not written
+    if meta.tree_masks is not None:
+        # token-tree steps (drafting or verifying a tree; eager, never in a graph) take the
+        # torch path: the kernel only knows the causal rule
+        from specdec.layers.attention import paged_attention_torch
+
+        result = paged_attention_torch(query, kv_cache, meta, scale)
+        return result if out is None else out.copy_(result)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     if num_heads % num_kv_heads or kv_cache.shape[4] != head_dim:

@@ -9,6 +9,12 @@ Query token ``j`` of request ``r`` sits at position ``seq_len[r] - q_len[r] + j`
 to every key at positions ``0 ..`` that position (causal, bottom-right aligned), so prefill
 chunks, verification rows and decode rows mix in one call. This stays the oracle that
 faster kernels (``specdec.kernels``) are tested against.
+
+Token trees (``AttentionMetadata.tree_masks``): a request that verifies or drafts a tree of
+candidate tokens writes its nodes to consecutive slots from position ``base`` on, and each of
+its query rows sees every key before ``base`` plus the keys from ``base`` on that its mask row
+allows (the node's ancestors and itself), instead of the causal rule. Such a request's rows
+carry their own positions (``base - 1 + depth``), which need not equal their slots.
 """
 from __future__ import annotations
 
@@ -29,6 +35,8 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # per request, None (causal) or (base, mask [q_len, seq_len - base] bool): see the module docstring
+    tree_masks: list | None = None
     # derived once per step from the host copies and shared by every layer
     query_lens: list[int] = field(init=False, repr=False, compare=False)  # [num_reqs]
     _groups: list | None = field(default=None, init=False, repr=False, compare=False)
@@ -81,7 +89,8 @@ class AttentionMetadata:
                 starts = list(range(0, (len(reqs) + 1) * q_len, q_len))
                 sub = AttentionMetadata(
                     torch.tensor(starts, device=device), self.seq_lens[sel], self.block_tables[sel],
-                    self.slot_mapping, starts, [self.seq_lens_cpu[r] for r in reqs], self.block_size)
+                    self.slot_mapping, starts, [self.seq_lens_cpu[r] for r in reqs], self.block_size,
+                    None if self.tree_masks is None else [self.tree_masks[r] for r in reqs])
                 self._groups.append((rows, sub))
         return self._groups
 
@@ -134,7 +143,12 @@ def paged_attention_reference(
             k = k.repeat_interleave(group, dim=0)
             v = v.repeat_interleave(group, dim=0)
         mask = None
-        if q_len > 1:
+        tree = meta.tree_masks[r] if meta.tree_masks is not None else None
+        if tree is not None:
+            base, node_mask = tree
+            mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device)
+            mask[:, base:] = node_mask
+        elif q_len > 1:
             # bottom-right causal: row j sees keys <= seq_len - q_len + j
             rows = torch.arange(q_len, device=query.device).unsqueeze(1) + (seq_len - q_len)
             cols = torch.arange(seq_len, device=query.device).unsqueeze(0)
@@ -211,7 +225,7 @@ def _torch_plan(meta: AttentionMetadata) -> _TorchPlan:
     num_blocks = -(-max_len // meta.block_size)
     table = meta.block_tables[:, :num_blocks].reshape(-1)  # index_select on it: ~3x cheaper than [table]
     bias = None
-    if q_len > 1 or min(meta.seq_lens_cpu) != max_len:
+    if q_len > 1 or min(meta.seq_lens_cpu) != max_len or meta.tree_masks is not None:
         # row j of request r sees keys <= seq_len[r] - q_len[r] + j (bottom-right causal, padding
         # hidden); a padding row (j >= q_len[r]) sees at least key 0, so its softmax stays finite
         device = meta.seq_lens.device
@@ -219,6 +233,11 @@ def _torch_plan(meta: AttentionMetadata) -> _TorchPlan:
         cols = torch.arange(max_len, device=device).view(1, 1, max_len)
         lens = padded[1].view(-1, 1, 1) if padded else q_len
         allowed = cols <= (meta.seq_lens.view(-1, 1, 1) - lens + rows)  # [R, q, L]
+        for r, tree in enumerate(meta.tree_masks or ()):
+            if tree is not None:  # a token tree: everything before base, then its own mask
+                base, node_mask = tree
+                allowed[r, :node_mask.shape[0], :base] = True
+                allowed[r, :node_mask.shape[0], base:base + node_mask.shape[1]] = node_mask
         bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill_(~allowed, float("-inf"))
         bias = bias[:, None, None]
     meta._torch_plan = _TorchPlan(q_len, max_len, table, bias, padded)

@@ -1,7 +1,8 @@
 """Per-row logits processing that depends on a request's history: penalties and min_tokens.
 
 Verification rows see history that includes the draft tokens before them: row i of a
-request with drafts d_1..d_K scores position (num_output + i) after output + d_1..d_i.
+request with drafts d_1..d_K scores position (num_output + i) after output + d_1..d_i (in a
+token tree, after the node's ancestors: ``DraftProposal.row_histories``).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from specdec.layers.sampler import SamplingMetadata, apply_penalties
 def process_target_logits(
     logits: torch.Tensor,  # [num_rows, V] float32, rows = sum(len(drafts[r]) + 1)
     requests: list[Request],
-    drafts: list[list[int]],
+    histories: list[list[list[int]]],  # per request, per row: the draft tokens before the position it scores
     meta_rows: SamplingMetadata,  # expanded to rows
 ) -> torch.Tensor:
     needs_min_tokens = any(r.sampling_params.min_tokens > r.num_output_tokens for r in requests)
@@ -23,13 +24,13 @@ def process_target_logits(
     logits = logits.clone()  # the runner's output is an inference tensor; and logprobs stay raw, as in vLLM
     prompts, outputs = [], []
     row = 0
-    for req, d in zip(requests, drafts):
+    for req, rows in zip(requests, histories):
         params = req.sampling_params
-        for i in range(len(d) + 1):
+        for before in rows:
             if not meta_rows.no_penalties:
                 prompts.append(req.prompt_token_ids)
-                outputs.append(req.output_token_ids + d[:i])
-            if params.min_tokens > req.num_output_tokens + i:
+                outputs.append(req.output_token_ids + before)
+            if params.min_tokens > req.num_output_tokens + len(before):
                 banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(req.eos_token_ids))
                 banned = [t for t in banned if t < logits.shape[1]]
                 if banned:

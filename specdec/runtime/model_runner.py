@@ -61,14 +61,19 @@ class ModelRunner:
         start_positions: list[int],  # per request: position of its first fed token
         block_tables: list[list[int]],  # per request: its block ids
         logits_rows: list[list[int]],  # per request: indices (into its fed tokens) needing logits
+        tree_positions: list[list[int] | None] | None = None,  # per request: its rows' own positions (token trees)
+        tree_masks: list[tuple[int, torch.Tensor] | None] | None = None,  # see ``AttentionMetadata.tree_masks``
     ) -> ForwardBatch:
+        """Request i's tokens go to the slots of positions start_positions[i], +1, ...; they are
+        also their positions unless ``tree_positions[i]`` gives others (a tree's nodes: depth)."""
         bs = self.block_size
         flat_ids, positions, slots, logits_idx, qsl, seq_lens = [], [], [], [], [0], []
-        for ids, start, blocks, rows in zip(token_ids, start_positions, block_tables, logits_rows):
+        for i, (ids, start, blocks, rows) in enumerate(zip(token_ids, start_positions, block_tables, logits_rows)):
             base = len(flat_ids)
             flat_ids.extend(ids)
+            own = tree_positions[i] if tree_positions is not None else None
+            positions.extend(own if own is not None else range(start, start + len(ids)))
             for p in range(start, start + len(ids)):
-                positions.append(p)
                 slots.append(blocks[p // bs] * bs + p % bs)
             logits_idx.extend(base + r for r in rows)
             qsl.append(len(flat_ids))
@@ -83,6 +88,7 @@ class ModelRunner:
         attn = AttentionMetadata(
             query_start_loc=t(qsl), seq_lens=t(seq_lens), block_tables=t(table), slot_mapping=t(slots),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=bs,
+            tree_masks=None if tree_masks is None or all(m is None for m in tree_masks) else list(tree_masks),
         )
         return ForwardBatch(t(flat_ids), t(positions), attn, t(logits_idx))
 
@@ -107,6 +113,21 @@ class ModelRunner:
         if not self.reuse_logits:
             return self.model.compute_logits(rows)
         return self.model.compute_logits(rows, out=self._logits_out(rows.shape[0]))
+
+    @torch.inference_mode()
+    def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Copy every layer's K/V from ``src_slots`` to ``dst_slots`` (a verified tree's accepted
+        path, moved to the consecutive positions it now holds). Reads all sources first."""
+        if not src_slots:
+            return
+        src = torch.tensor(src_slots, dtype=torch.int64, device=self.device)
+        dst = torch.tensor(dst_slots, dtype=torch.int64, device=self.device)
+        for cache in self.kv_caches:
+            flat = cache.view(2, -1, *cache.shape[3:])
+            flat[:, dst] = flat[:, src]
+
+    def slot_of(self, block_ids: list[int], position: int) -> int:
+        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
     def _logits_out(self, num_rows: int) -> torch.Tensor:
         """[num_rows, V] float32 view of the reused buffer (grown, never shrunk)."""
@@ -158,6 +179,8 @@ class ModelRunner:
         if not self.graphs:
             return None
         meta = batch.attn
+        if meta.tree_masks is not None:  # graphs replay the causal rule only
+            return None
         graph = self.graphs.get(meta.uniform_query_len)
         if graph is None or graph.padded_size(meta.num_reqs) is None \
                 or meta.block_tables.shape[1] > self.graph_max_blocks:

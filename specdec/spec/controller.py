@@ -35,7 +35,7 @@ class SpecController:
 
     @classmethod
     def build(cls, spec, proposer, runner, draft_runner, cfg, max_model_len: int | None = None) -> SpecController:
-        ctl = cls(spec.max_k, spec.is_adaptive, proposer.has_draft_model, max_model_len)
+        ctl = cls(spec.num_spec_slots, spec.is_adaptive, proposer.has_draft_model, max_model_len)
         if ctl.adaptive and cfg.spec_cost_calibration:
             ctl.calibrate(runner, draft_runner)
         return ctl

@@ -6,6 +6,15 @@ tokens whose draft KV is valid; after verification it is clipped to the target's
 ``num_computed_tokens`` (positions past it held rejected drafts), and the first pass of the
 next proposal catches up on whatever the draft has not seen (accepted and bonus tokens,
 a prompt, or everything after a preemption) in one ragged forward.
+
+With ``tree_topk`` > 1 the proposal is a token tree (``specdec.spec.tree``), grown as in
+EAGLE-2: the first pass's top-k tokens are the root's children; each further pass feeds the
+``tree_topk`` nodes of the newest depth with the highest path score (the sum of the draft's
+log-probabilities along the path), all requests in one forward, each node attending to the
+draft KV of its ancestors; after ``tree_depth`` depths the ``tree_nodes`` highest-scoring
+nodes go to verification (a path's score never rises, so they are closed under ancestors).
+Tree nodes are fed at the positions of their depth but written to their own slots after the
+request's tokens; the draft KV there is scratch, recomputed by the next catch-up.
 """
 from __future__ import annotations
 
@@ -23,10 +32,14 @@ class DraftModelProposer(Proposer):
     has_draft_model = True
     row_shift = 0  # draft s is fed at position num_tokens + s - 1 + row_shift (EAGLE: one earlier)
 
-    def __init__(self, runner: ModelRunner, kv: KVCacheManager, target_vocab_size: int):
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, target_vocab_size: int,
+                 tree_topk: int = 1, tree_depth: int = 0, tree_nodes: int = 0):
         self.runner = runner
         self.kv = kv
         self.vocab_size = target_vocab_size
+        self.tree_topk = tree_topk
+        self.tree_depth = tree_depth
+        self.tree_nodes = tree_nodes
 
     def _logits(self, batch) -> torch.Tensor:  # [N, target vocab]
         logits = self.runner.forward(batch)
@@ -45,6 +58,8 @@ class DraftModelProposer(Proposer):
             return DraftProposal(drafts, None)
         reqs = [requests[i] for i in active]
         ks = [num_spec[i] for i in active]
+        if self.tree_topk > 1:
+            return self._propose_tree(requests, active, ks)
         meta = SamplingMetadata.from_params(
             [r.sampling_params for r in reqs], [r.generator for r in reqs], self.runner.device
         )
@@ -76,6 +91,71 @@ class DraftModelProposer(Proposer):
             probs_per_pass.append((rows, q))
         self._finish(reqs, ks)
         return DraftProposal(drafts, self._flat_probs(probs_per_pass, ks, active, len(requests), meta))
+
+    # ---- token trees ----
+    def _propose_tree(self, requests: list[Request], active: list[int], slots: list[int]) -> DraftProposal:
+        """Per active request a tree of at most ``tree_nodes`` (and ``slots``) nodes, depth at most
+        ``tree_depth`` and the tokens the request may still emit."""
+        reqs = [requests[i] for i in active]
+        block_tables = [self.kv.get_block_ids(r.request_id) for r in reqs]
+        topk = self.tree_topk
+        batch = self._first_batch(reqs, block_tables)
+        logits = self._logits(batch)
+        hidden = self._pass_hidden(batch)
+        # per request: node tokens, parents, depths, scores; the node fed at each draft slot
+        trees = [_GrowingTree() for _ in reqs]
+        bases = [r.num_tokens + self.row_shift for r in reqs]  # position (and first slot) of depth-1 nodes
+        room = [r.num_tokens + s - b for r, s, b in zip(reqs, slots, bases)]  # draft slots from base on
+        depth_cap = [max(1, min(self.tree_depth, s, r.max_tokens - r.num_output_tokens - 1))
+                     for r, s in zip(reqs, slots)]
+        parent_rows = [(j, -1) for j in range(len(reqs))]  # (request, node) behind each row of the last pass
+        for depth in range(1, max(depth_cap) + 1):
+            top_lp, top_tok = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)
+            for (j, node), lps, toks in zip(parent_rows, top_lp.tolist(), top_tok.tolist()):
+                trees[j].add_children(node, toks, lps, depth)
+            if depth == max(depth_cap):
+                break
+            feeds, starts, positions, masks, tables, rows, parent_rows = [], [], [], [], [], [], []
+            for j, t in enumerate(trees):
+                if depth >= depth_cap[j]:
+                    continue
+                frontier = t.frontier(depth, min(topk, room[j] - t.num_fed))
+                if not frontier:
+                    continue
+                start = t.num_fed
+                t.feed(frontier)
+                feeds.append([t.tokens[n] for n in frontier])
+                starts.append(bases[j] + start)
+                positions.append([bases[j] + depth - 1] * len(frontier))
+                masks.append((bases[j], t.fed_mask(frontier)))
+                tables.append(block_tables[j])
+                rows.extend(t.row_of[t.parents[n]] if t.parents[n] >= 0 else j for n in frontier)
+                parent_rows.extend((j, n) for n in frontier)
+            if not feeds:
+                break
+            batch = self.runner.prepare(feeds, starts, tables, [list(range(len(f))) for f in feeds], positions, masks)
+            self._tree_features(batch, hidden, rows)
+            logits = self._logits(batch)
+            hidden = self._pass_hidden(batch)
+            for row, (j, n) in enumerate(parent_rows):
+                trees[j].row_of[n] = row
+        self._finish_tree(reqs)
+        drafts: list[list[int]] = [[] for _ in requests]
+        parents: list[list[int]] = [[] for _ in requests]
+        for i, t, s in zip(active, trees, slots):
+            drafts[i], parents[i] = t.select(min(self.tree_nodes, s))
+        return DraftProposal(drafts, None, parents)
+
+    def _pass_hidden(self, batch) -> torch.Tensor | None:
+        """What the next tree pass needs from this one's rows (EAGLE: predicted features)."""
+        return None
+
+    def _tree_features(self, batch, hidden: torch.Tensor | None, rows: list[int]) -> None:
+        """Attach to a tree pass whatever its nodes read from their parents' rows of the last pass."""
+
+    def _finish_tree(self, reqs: list[Request]) -> None:
+        for r in reqs:  # the first pass caught up on every real token; past them the draft KV is scratch
+            r.num_draft_computed_tokens = r.num_tokens + self.row_shift
 
     # ---- the passes (the EAGLE proposer overrides these three) ----
     def _first_batch(self, reqs: list[Request], block_tables):
@@ -110,3 +190,63 @@ class DraftModelProposer(Proposer):
             idx = torch.tensor([offsets[j] + step for j in rows], device=out.device)
             out.index_copy_(0, idx, q)
         return out
+
+
+class _GrowingTree:
+    """One request's tree while it is drafted: every candidate, scored; which ones were fed."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.depths: list[int] = []
+        self.scores: list[float] = []
+        self.fed: list[int] = []  # nodes in the order they were written to draft slots
+        self.slot: dict[int, int] = {}  # node -> its draft slot (offset from base)
+        self.row_of: dict[int, int] = {}  # node -> its row in the pass that fed it
+
+    @property
+    def num_fed(self) -> int:
+        return len(self.fed)
+
+    def add_children(self, parent: int, tokens: list[int], logprobs: list[float], depth: int) -> None:
+        score = self.scores[parent] if parent >= 0 else 0.0
+        for tok, lp in zip(tokens, logprobs):
+            if lp == float("-inf"):
+                continue
+            self.tokens.append(tok)
+            self.parents.append(parent)
+            self.depths.append(depth)
+            self.scores.append(score + lp)
+
+    def frontier(self, depth: int, width: int) -> list[int]:
+        """The ``width`` best-scoring nodes of ``depth`` (to be fed, to grow their children)."""
+        nodes = [n for n, d in enumerate(self.depths) if d == depth]
+        return sorted(nodes, key=lambda n: -self.scores[n])[:max(0, width)]
+
+    def feed(self, nodes: list[int]) -> None:
+        for n in nodes:
+            self.slot[n] = len(self.fed)
+            self.fed.append(n)
+
+    def fed_mask(self, nodes: list[int]) -> torch.Tensor:
+        """[len(nodes), num_fed] bool: each fed node sees the slots of its ancestors and itself."""
+        mask = torch.zeros(len(nodes), len(self.fed), dtype=torch.bool)
+        for i, n in enumerate(nodes):
+            while n >= 0:
+                mask[i, self.slot[n]] = True
+                n = self.parents[n]
+        return mask
+
+    def select(self, limit: int) -> tuple[list[int], list[int]]:
+        """The ``limit`` best-scoring nodes, closed under ancestors, in (depth, score) order:
+        (tokens, parents as indices into the selection)."""
+        order = sorted(range(len(self.tokens)), key=lambda n: (-self.scores[n], self.depths[n]))
+        chosen: set[int] = set()
+        for n in order:
+            if len(chosen) >= limit:
+                break
+            if self.parents[n] < 0 or self.parents[n] in chosen:
+                chosen.add(n)
+        kept = sorted(chosen, key=lambda n: (self.depths[n], -self.scores[n]))
+        index = {n: i for i, n in enumerate(kept)}
+        return [self.tokens[n] for n in kept], [index[self.parents[n]] if self.parents[n] >= 0 else -1 for n in kept]

@@ -22,8 +22,8 @@ class EagleProposer(DraftModelProposer):
     needs_target_hidden = True
     row_shift = -1  # head row p holds (f_p, token p + 1): draft s sits at num_computed_tokens + s - 1
 
-    def __init__(self, runner, kv, target_vocab_size: int):
-        super().__init__(runner, kv, target_vocab_size)
+    def __init__(self, runner, kv, target_vocab_size: int, **tree):
+        super().__init__(runner, kv, target_vocab_size, **tree)
         self.features: dict[str, tuple[int, list[torch.Tensor]]] = {}  # request -> (first position, rows)
         self._prev_batch = None
 
@@ -90,6 +90,16 @@ class EagleProposer(DraftModelProposer):
         batch.features = predicted
         self._prev_batch = batch
         return batch
+
+    def _pass_hidden(self, batch) -> torch.Tensor:
+        return self.runner.last_hidden[batch.logits_indices]  # the features each row predicts
+
+    def _tree_features(self, batch, hidden: torch.Tensor, rows: list[int]) -> None:
+        batch.features = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+
+    def _finish_tree(self, reqs: list[Request]) -> None:
+        super()._finish_tree(reqs)
+        self._prev_batch = None
 
     def _finish(self, reqs: list[Request], ks: list[int]) -> None:
         for r in reqs:

@@ -22,17 +22,20 @@ class SpecDecodeMetrics:
     time_target: float = 0.0
     time_sampling: float = 0.0
 
-    def observe(self, num_drafted: int, num_accepted: int) -> None:
-        self.k_histogram[num_drafted] += 1
+    def observe(self, num_drafted: int, num_accepted: int, num_positions: int | None = None) -> None:
+        """One request's verification: ``num_drafted`` tokens over ``num_positions`` positions (a
+        chain: the same; a token tree: its depth), ``num_accepted`` of them kept."""
+        positions = num_drafted if num_positions is None else num_positions
+        self.k_histogram[positions] += 1
         if num_drafted == 0:
             return
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
-        while len(self.num_drafted_per_pos) < num_drafted:
+        while len(self.num_drafted_per_pos) < positions:
             self.num_drafted_per_pos.append(0)
             self.num_accepted_per_pos.append(0)
-        for pos in range(num_drafted):
+        for pos in range(positions):
             self.num_drafted_per_pos[pos] += 1
             if pos < num_accepted:
                 self.num_accepted_per_pos[pos] += 1

@@ -13,6 +13,9 @@ from specdec.engine.request import Request
 class DraftProposal:
     draft_token_ids: list[list[int]]  # per request of the batch; [] where nothing is proposed
     draft_probs: torch.Tensor | None  # [num_draft_total, V] q each token was sampled from; None => one-hot
+    # token trees (``specdec.spec.tree``): per request, each draft token's parent (-1: the newest
+    # real token); None => every request's drafts form a chain
+    draft_parents: list[list[int]] | None = None
 
     @classmethod
     def empty(cls, num_requests: int) -> DraftProposal:
@@ -21,6 +24,19 @@ class DraftProposal:
     @property
     def num_draft_tokens(self) -> list[int]:
         return [len(d) for d in self.draft_token_ids]
+
+    @property
+    def is_tree(self) -> bool:
+        return self.draft_parents is not None
+
+    def row_histories(self, i: int) -> list[list[int]]:
+        """Request i's verification rows (1 + its drafts): the drafts before each scored position."""
+        drafts = self.draft_token_ids[i]
+        if self.draft_parents is None:
+            return [drafts[:j] for j in range(len(drafts) + 1)]
+        from specdec.spec.tree import row_histories
+
+        return row_histories(drafts, self.draft_parents[i])
 
 
 class Proposer(ABC):
