@@ -49,6 +49,41 @@ def test_paged_head_matches_dense_reference(target, head_path):
     torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
 
 
+def test_paged_head_over_a_token_tree_matches_dense_paths(target, head_path):
+    """A tree pass of the head (nodes at their depth's position, in their own slots, each
+    seeing the context and its ancestors) gives every node the hidden state the dense head
+    computes over the context followed by the node's path."""
+    from specdec.spec import tree
+
+    head = load_head(head_path, target, torch.float32, torch.device("cpu"), TORCH_BACKEND)
+    torch.manual_seed(0)
+    ctx = 11
+    ids = torch.randint(0, 300, (ctx,)).tolist()
+    feats = torch.randn(ctx + 5, target.config.hidden_size)  # context features, then one per fed node
+    parents = [-1, -1, -1, 0, 2]  # depth 1: nodes 0, 1, 2; depth 2: 3 (under 0), 4 (under 2)
+    node_ids = [301, 17, 99, 5, 250]
+    runner = ModelRunner(head, num_blocks=8, block_size=4, device=torch.device("cpu"), dtype=torch.float32)
+    table = [6, 2, 0, 7, 4, 1]
+    batch = runner.prepare([ids], [0], [table], [[ctx - 1]])
+    batch.features = feats[:ctx]
+    runner.forward(batch)
+    got = {}
+    for nodes, fed_before in (([0, 1, 2], 0), ([3, 4], 3)):
+        depth = tree.depths(parents)[nodes[0]]
+        fed = list(range(fed_before + len(nodes)))  # nodes 0..4 are fed in order: node n sits in slot ctx + n
+        mask = torch.tensor([[a in tree.path_to(parents, n) for a in fed] for n in nodes])
+        batch = runner.prepare([[node_ids[n] for n in nodes]], [ctx + fed_before], [table], [list(range(len(nodes)))],
+                               [[ctx + depth - 1] * len(nodes)], [(ctx, mask)])
+        batch.features = feats[[ctx + n for n in nodes]]
+        runner.forward(batch)
+        got.update(zip(nodes, runner.last_hidden))
+    for n in range(len(parents)):
+        path = tree.path_to(parents, n)
+        want = dense_forward(head, torch.tensor([ids + [node_ids[a] for a in path]]),
+                             torch.cat([feats[:ctx], feats[[ctx + a for a in path]]])[None])[0, -1]
+        torch.testing.assert_close(got[n], want, rtol=1e-4, atol=1e-4)
+
+
 def test_roundtrip_and_bad_folder(target, head_path, llama_path):
     head = load_head(head_path, target, torch.float32, torch.device("cpu"), TORCH_BACKEND)
     assert sum(p.numel() for p in head.parameters()) < sum(p.numel() for p in target.parameters())
@@ -128,3 +163,47 @@ def test_draft_vocabulary_restricts_drafts_and_stays_lossless(llama_path, target
     assert got == want
     drafted = [t for p in proposals for d in p.draft_token_ids for t in d]
     assert drafted and all(t % 2 == 0 for t in drafted)
+
+
+def test_eagle_tree_nodes_are_the_dense_heads_top_candidates_and_greedy_stays_identical(llama_path, head_path, target,
+                                                                                       prompts):
+    """Tree drafting with the head: each node is among the top-k tokens the dense head gives
+    its parent when fed the target's features, then its own predicted features along the
+    node's ancestors; greedy output equals plain decoding."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.spec import tree
+
+    topk = 3
+    llm = LLM(model=llama_path, **ENGINE, speculative_config={
+        "method": "eagle", "model": head_path, "num_speculative_tokens": 3, "tree_topk": topk, "tree_nodes": 8})
+    seen = []
+    inner = llm.engine.proposer.propose
+
+    def recording(requests, num_spec):
+        snapshot = [(list(r.all_token_ids), r.num_computed_tokens) for r in requests]
+        proposal = inner(requests, num_spec)
+        seen.extend((t, c, d, p) for (t, c), d, p in zip(snapshot, proposal.draft_token_ids, proposal.draft_parents)
+                    if d)
+        return proposal
+
+    llm.engine.proposer.propose = recording
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in LLM(model=llama_path, **ENGINE).generate(prompts[:4], params, use_tqdm=False)]
+    assert got == want
+    assert len(seen) >= 6 and any(len(d) > 3 for _, _, d, _ in seen)
+    hf = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
+    head = load_head(head_path, target, torch.float32, torch.device("cpu"), TORCH_BACKEND)
+    with torch.no_grad():
+        for tokens, c, drafts, parents in seen[:8]:
+            feats = hf.model(torch.tensor([tokens[:c]])).last_hidden_state[0]  # f_0 .. f_{c-1}
+            for i, parent in enumerate(parents):
+                ids, rows = list(tokens[1:c + 1]), feats
+                for a in (tree.path_to(parents, parent) if parent >= 0 else []) + [None]:
+                    pred = dense_forward(head, torch.tensor([ids]), rows[None])[0, -1]
+                    if a is not None:  # feed the ancestor with the feature its parent's row predicted
+                        ids.append(drafts[a])
+                        rows = torch.cat([rows, pred[None]])
+                top = head.compute_logits(pred[None])[0].topk(topk).indices.tolist()
+                assert drafts[i] in top, f"node {i} of {parents}"
