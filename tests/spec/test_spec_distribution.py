@@ -13,7 +13,8 @@ probabilities, cells with expected count < 5 merged into one; significance level
 Sample sizes: 6000 continuations at temperature 1 with an unrelated draft (mostly
 rejected: the residual distribution max(0, p - q) does the work), 6000 with a noisy copy of
 the target as draft (about 40% accepted), and 5000 at temperature 0.9 with top_k=6 /
-top_p=0.8. Each case has a negative control: the same counts tested against the target at a
+top_p=0.8; then token trees (top-3 children, 7 nodes): 6000 with the noisy draft at
+temperature 1 and 5000 with the unrelated draft under top_k / top_p. Each case has a negative control: the same counts tested against the target at a
 15% higher temperature must be rejected at the same level, which shows the test has the
 power to see a subtly wrong distribution. Deterministic: fixed per-request seeds.
 """
@@ -116,17 +117,23 @@ def sample_continuations(llm: LLM, prompt_ids: list[int], num_samples: int, seed
     return out
 
 
-@pytest.mark.parametrize("draft, num_samples, sampling, seed_base", [
-    ("unrelated", 6000, dict(temperature=1.0), 0),
-    ("noisy", 6000, dict(temperature=1.0), 10_000),
-    ("noisy", 5000, dict(temperature=0.9, top_k=6, top_p=0.8), 20_000),
-], ids=["unrelated-draft", "noisy-draft", "noisy-draft-topk-topp"])
+TREE = dict(tree_topk=3, tree_nodes=7)  # token trees: children tried in turn against the residual
+
+
+@pytest.mark.parametrize("draft, num_samples, sampling, seed_base, tree", [
+    ("unrelated", 6000, dict(temperature=1.0), 0, {}),
+    ("noisy", 6000, dict(temperature=1.0), 10_000, {}),
+    ("noisy", 5000, dict(temperature=0.9, top_k=6, top_p=0.8), 20_000, {}),
+    ("noisy", 6000, dict(temperature=1.0), 30_000, TREE),
+    ("unrelated", 5000, dict(temperature=0.9, top_k=6, top_p=0.8), 40_000, TREE),
+], ids=["unrelated-draft", "noisy-draft", "noisy-draft-topk-topp", "noisy-tree", "unrelated-tree-topk-topp"])
 def test_speculative_sampling_matches_the_exact_target_distribution(char_models, draft, num_samples, sampling,
-                                                                    seed_base):
+                                                                    seed_base, tree):
     target, drafts = char_models
     llm = LLM(model=target, dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1000,
               max_num_batched_tokens=8192,
-              speculative_config={"method": "draft_model", "model": drafts[draft], "num_speculative_tokens": K})
+              speculative_config={"method": "draft_model", "model": drafts[draft], "num_speculative_tokens": K,
+                                  **tree})
     vocab = llm.engine.vocab_size
     prompt_ids = llm.tokenizer.encode(PROMPT)
     counts = np.zeros((vocab,) * 3, dtype=np.int64)
