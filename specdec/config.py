@@ -23,11 +23,13 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     acceptance: float = 0.8  # "replay" (benchmark only): probability a proposed token is kept correct
-    # token trees (methods "eagle" and "draft_model", fixed K): the draft keeps its top ``tree_topk``
+    # token trees (methods "eagle" and "draft_model"): the draft keeps its top ``tree_topk``
     # candidates per expanded node, expands the ``tree_topk`` likeliest nodes of each depth up to K,
-    # and sends its ``tree_nodes`` likeliest nodes to verification (``specdec.spec.tree``); 1 = a chain
+    # and sends its ``tree_nodes`` likeliest nodes to verification (``specdec.spec.tree``); 1 = a chain.
+    # With K "auto" the depth is planned per request and ``tree_nodes`` is a ceiling: the nodes whose
+    # expected acceptance pays for their verification rows under the measured step costs are sent
     tree_topk: int = 1
-    tree_nodes: int | None = None  # default: 3 * K
+    tree_nodes: int | None = None  # default: 3 * K (3 * max_num_speculative_tokens for "auto")
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -63,9 +65,6 @@ class SpeculativeConfig:
             if self.method not in ("eagle", "draft_model"):
                 raise ValueError(f"speculative_config.tree_topk > 1 needs method 'eagle' or 'draft_model' (a draft "
                                  f"that scores candidates), got {self.method!r}")
-            if self.is_adaptive:
-                raise ValueError("speculative_config.tree_topk > 1 needs a fixed num_speculative_tokens (the "
-                                 "tree's depth), not 'auto'")
 
     @property
     def is_adaptive(self) -> bool:

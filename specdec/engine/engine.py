@@ -178,6 +178,7 @@ class LLMEngine:
         tokens_list = tokens.tolist() if tokens is not None else []
         accepted_list = num_accepted.tolist() if num_accepted is not None else []
         logprobs_rows = self._logprobs_source(sched, proposal, logits, sampled)
+        positions = proposal.num_positions
         k = 0
         row = 0
         for i, (req, n) in enumerate(zip(sched.requests, sched.num_scheduled_tokens)):
@@ -192,14 +193,14 @@ class LLMEngine:
             k += 1
             if verdict is not None and verdict.path != list(range(accepted)):
                 self._compact_tree_path(req, n, verdict.path, self._target_rows[1][i])
+            num_positions = positions[i]  # K, or a tree's depth
             if req.num_output_tokens:  # a decode/verify step (not a prompt's first token)
-                depth = max(tree.depths(proposal.draft_parents[i]), default=0) if proposal.is_tree else None
-                self.spec_metrics.observe(num_drafted, accepted, depth)
+                self.spec_metrics.observe(num_drafted, accepted, num_positions)
             if num_drafted:
                 req.num_drafts += 1
                 req.num_draft_tokens += num_drafted
                 req.num_accepted_tokens += accepted
-                self.observe_acceptance(req, num_drafted, accepted)
+                self.observe_acceptance(req, num_positions, accepted)
             num_computed = req.num_computed_tokens + n + accepted  # the fed token + accepted drafts
             status = None
             for j, token in enumerate(emitted):

@@ -39,6 +39,7 @@ class Request:
     # owned by the engine (speculation): draft tokens verified this step, and the K wanted next
     spec_token_ids: list[int] = field(default_factory=list)
     num_spec_tokens_wanted: int = 0
+    spec_depth_wanted: int = 0  # token trees with adaptive K: the planned depth (slots are wanted for the tree)
     # owned by the draft proposer: tokens whose KV is in the draft cache
     num_draft_computed_tokens: int = 0
     generator: torch.Generator | None = None

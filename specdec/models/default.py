@@ -9,6 +9,10 @@ DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 DEFAULT_DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "default_draft"
 DEFAULT_NUM_SPEC_TOKENS = "auto"  # adaptive up to DEFAULT_MAX_SPEC_TOKENS: never much slower than no speculation
 DEFAULT_MAX_SPEC_TOKENS = 5
+# an EAGLE head drafts token trees: its top 4 candidates per node, at most 24 nodes verified (with
+# "auto", the measured step costs decide how many of them pay; specdec.spec.tree)
+DEFAULT_TREE_TOPK = 4
+DEFAULT_TREE_NODES = 24
 
 
 def default_engine_kwargs() -> tuple[str, dict]:
@@ -22,8 +26,11 @@ def draft_spec_config(path: str | Path, num_speculative_tokens: int | str = DEFA
     """speculative_config for a draft folder: method "eagle" for an EAGLE head, else "draft_model"."""
     from specdec.models.eagle import is_eagle_folder
 
-    spec = {"method": "eagle" if is_eagle_folder(path) else "draft_model", "model": str(path),
+    eagle = is_eagle_folder(path)
+    spec = {"method": "eagle" if eagle else "draft_model", "model": str(path),
             "num_speculative_tokens": num_speculative_tokens}
     if num_speculative_tokens == "auto":
         spec["max_num_speculative_tokens"] = DEFAULT_MAX_SPEC_TOKENS
+    if eagle:
+        spec.update(tree_topk=DEFAULT_TREE_TOPK, tree_nodes=DEFAULT_TREE_NODES)
     return spec

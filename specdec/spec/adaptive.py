@@ -457,3 +457,24 @@ class ThroughputGuard:
         stats[0] += rate * (tokens - stats[0])
         stats[1] += rate * (seconds - stats[1])
         stats[2] += 1
+
+
+def choose_num_tree_nodes(gains: Sequence[Sequence[float]], base_rows: int, cost: StepCostModel,
+                          sunk_seconds: float = 0.0) -> list[int]:
+    """Per request, how many of its drafted tree's nodes to verify. ``gains[i]`` holds the
+    expected accepted tokens each node adds (its path's probability under the draft, calibrated),
+    best first, so the nodes a request keeps are a prefix of its list, and a prefix by score is
+    closed under ancestors. The step emits ``base_rows`` tokens (one per decoding request, a
+    prefill chunk's tokens) plus the accepted nodes and costs the drafting already done plus
+    a target pass over ``base_rows`` + nodes rows; the nodes are taken in decreasing gain while
+    that ratio grows (the best prefix of all of them, scored at once; ties go to fewer nodes)."""
+    flat = sorted(((g, i) for i, gs in enumerate(gains) for g in gs), key=lambda x: -x[0])
+    if not flat:
+        return [0] * len(gains)
+    g = np.array([x[0] for x in flat], dtype=np.float64)
+    owner = np.array([x[1] for x in flat], dtype=np.int64)
+    value = base_rows + np.concatenate([[0.0], np.cumsum(g)])
+    seconds = sunk_seconds + cost.costs("target", base_rows + np.arange(g.shape[0] + 1))
+    throughput = value / np.maximum(seconds, 1e-30)
+    best = int(np.flatnonzero(throughput >= throughput.max() * (1.0 - 1e-9))[0])
+    return np.bincount(owner[:best], minlength=len(gains)).tolist()

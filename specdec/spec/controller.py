@@ -9,8 +9,14 @@ from specdec.engine.request import Request
 
 
 class SpecController:
-    def __init__(self, max_k: int, adaptive: bool, draft_is_model: bool, max_model_len: int | None = None):
+    def __init__(self, max_k: int, adaptive: bool, draft_is_model: bool, max_model_len: int | None = None,
+                 tree_slots: int = 0):
         self.max_k = max_k
+        # token trees with adaptive K: a request planned to draft at depth k > 0 reserves this many
+        # slots; how many nodes are verified is decided after drafting (``choose_tree_nodes``)
+        self.tree_slots = tree_slots
+        self.tree_calibration = 1.0  # realised / predicted accepted tokens of adaptive trees (EMA)
+        self._base_rows = 0  # rows of this step without drafts (decode rows + prefill chunks)
         self.max_model_len = max_model_len
         self.adaptive = adaptive
         self.draft_is_model = draft_is_model
@@ -35,7 +41,11 @@ class SpecController:
 
     @classmethod
     def build(cls, spec, proposer, runner, draft_runner, cfg, max_model_len: int | None = None) -> SpecController:
-        ctl = cls(spec.num_spec_slots, spec.is_adaptive, proposer.has_draft_model, max_model_len)
+        adaptive_tree = spec.is_tree and spec.is_adaptive
+        ctl = cls(spec.max_k if adaptive_tree else spec.num_spec_slots, spec.is_adaptive, proposer.has_draft_model,
+                  max_model_len, tree_slots=spec.num_spec_slots if adaptive_tree else 0)
+        if adaptive_tree:
+            proposer.choose_nodes = ctl.choose_tree_nodes
         if ctl.adaptive and cfg.spec_cost_calibration:
             ctl.calibrate(runner, draft_runner)
         return ctl
@@ -59,6 +69,12 @@ class SpecController:
             return
         self._replan(running, closed_batch)
         plan = self._plan
+        if self.tree_slots:
+            self._base_rows = sum(r.num_tokens - r.num_computed_tokens for r in running)
+            for r in running:
+                r.spec_depth_wanted = plan.get(r.request_id, 0)
+                r.num_spec_tokens_wanted = self.tree_slots if r.spec_depth_wanted else 0
+            return
         for r in running:
             r.num_spec_tokens_wanted = plan.get(r.request_id, 0)
 
@@ -147,13 +163,24 @@ class SpecController:
                 return
         self.cost.observe("target", num_rows, t_target)
         if num_drafting and self.draft_is_model:
-            steps = max(drafted)
+            steps = max(proposal.num_positions)  # draft passes: K, or a tree's depth
             self.cost.observe("draft", num_drafting, t_draft / steps)
+
+    def choose_tree_nodes(self, gains: list[list[float]], draft_seconds: float) -> list[int]:
+        """Per request, how many of its tree's nodes to verify (``gains[i]``: the draft's
+        probability of each node's path, best first), by the measured step costs."""
+        from specdec.spec.adaptive import choose_num_tree_nodes
+
+        scaled = [[g * self.tree_calibration for g in gs] for gs in gains]
+        return choose_num_tree_nodes(scaled, self._base_rows, self.cost, draft_seconds)
 
     def observe_outcome(self, sched, proposal, num_emitted: int, seconds: float) -> None:
         """A whole step's tokens and wall time, for the throughput guard (pure decode/verify steps only)."""
         if self.guard is None or any(n != 1 for n in sched.num_scheduled_tokens):
             return
+        if proposal.expected_accepted:  # adaptive trees: how well the draft's probabilities predict acceptance
+            ratio = (num_emitted - len(sched.requests)) / proposal.expected_accepted
+            self.tree_calibration = min(2.0, max(0.5, 0.95 * self.tree_calibration + 0.05 * ratio))
         # in realised tokens/s whatever the plan's weights: the guard is the check on reality
         self.guard.observe(len(sched.requests), any(proposal.draft_token_ids), num_emitted, seconds)
 

@@ -18,6 +18,9 @@ request's tokens; the draft KV there is scratch, recomputed by the next catch-up
 """
 from __future__ import annotations
 
+import math
+import time
+
 import torch
 
 from specdec.engine.kv_cache_manager import KVCacheManager
@@ -40,6 +43,9 @@ class DraftModelProposer(Proposer):
         self.tree_topk = tree_topk
         self.tree_depth = tree_depth
         self.tree_nodes = tree_nodes
+        # adaptive trees: (per request the nodes' gains, best first; seconds spent drafting) -> nodes
+        # to verify per request (``SpecController.choose_tree_nodes``); None: ``tree_nodes`` each
+        self.choose_nodes = None
 
     def _logits(self, batch) -> torch.Tensor:  # [N, target vocab]
         logits = self.runner.forward(batch)
@@ -96,6 +102,7 @@ class DraftModelProposer(Proposer):
     def _propose_tree(self, requests: list[Request], active: list[int], slots: list[int]) -> DraftProposal:
         """Per active request a tree of at most ``tree_nodes`` (and ``slots``) nodes, depth at most
         ``tree_depth`` and the tokens the request may still emit."""
+        started = time.perf_counter()
         reqs = [requests[i] for i in active]
         block_tables = [self.kv.get_block_ids(r.request_id) for r in reqs]
         topk = self.tree_topk
@@ -106,8 +113,8 @@ class DraftModelProposer(Proposer):
         trees = [_GrowingTree() for _ in reqs]
         bases = [r.num_tokens + self.row_shift for r in reqs]  # position (and first slot) of depth-1 nodes
         room = [r.num_tokens + s - b for r, s, b in zip(reqs, slots, bases)]  # draft slots from base on
-        depth_cap = [max(1, min(self.tree_depth, s, r.max_tokens - r.num_output_tokens - 1))
-                     for r, s in zip(reqs, slots)]
+        depth_cap = [max(1, min(r.spec_depth_wanted or self.tree_depth, self.tree_depth, s,
+                                r.max_tokens - r.num_output_tokens - 1)) for r, s in zip(reqs, slots)]
         parent_rows = [(j, -1) for j in range(len(reqs))]  # (request, node) behind each row of the last pass
         for depth in range(1, max(depth_cap) + 1):
             top_lp, top_tok = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)
@@ -140,11 +147,17 @@ class DraftModelProposer(Proposer):
             for row, (j, n) in enumerate(parent_rows):
                 trees[j].row_of[n] = row
         self._finish_tree(reqs)
+        limits = [min(self.tree_nodes, s) for s in slots]
+        expected = None
+        if self.choose_nodes is not None:
+            gains = [t.gains(limit) for t, limit in zip(trees, limits)]
+            limits = self.choose_nodes(gains, time.perf_counter() - started)
+            expected = sum(sum(g[:n]) for g, n in zip(gains, limits))
         drafts: list[list[int]] = [[] for _ in requests]
         parents: list[list[int]] = [[] for _ in requests]
-        for i, t, s in zip(active, trees, slots):
-            drafts[i], parents[i] = t.select(min(self.tree_nodes, s))
-        return DraftProposal(drafts, None, parents)
+        for i, t, limit in zip(active, trees, limits):
+            drafts[i], parents[i] = t.select(limit)
+        return DraftProposal(drafts, None, parents, expected)
 
     def _pass_hidden(self, batch) -> torch.Tensor | None:
         """What the next tree pass needs from this one's rows (EAGLE: predicted features)."""
@@ -237,12 +250,18 @@ class _GrowingTree:
                 n = self.parents[n]
         return mask
 
+    def _ranked(self) -> list[int]:
+        return sorted(range(len(self.tokens)), key=lambda n: (-self.scores[n], self.depths[n]))
+
+    def gains(self, limit: int) -> list[float]:
+        """The draft's probability of each of the ``limit`` best nodes' paths, best first."""
+        return [math.exp(self.scores[n]) for n in self._ranked()[:limit]]
+
     def select(self, limit: int) -> tuple[list[int], list[int]]:
         """The ``limit`` best-scoring nodes, closed under ancestors, in (depth, score) order:
         (tokens, parents as indices into the selection)."""
-        order = sorted(range(len(self.tokens)), key=lambda n: (-self.scores[n], self.depths[n]))
         chosen: set[int] = set()
-        for n in order:
+        for n in self._ranked():
             if len(chosen) >= limit:
                 break
             if self.parents[n] < 0 or self.parents[n] in chosen:

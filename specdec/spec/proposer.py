@@ -16,6 +16,8 @@ class DraftProposal:
     # token trees (``specdec.spec.tree``): per request, each draft token's parent (-1: the newest
     # real token); None => every request's drafts form a chain
     draft_parents: list[list[int]] | None = None
+    # adaptive trees: the accepted tokens the draft's own probabilities predict for this step
+    expected_accepted: float | None = None
 
     @classmethod
     def empty(cls, num_requests: int) -> DraftProposal:
@@ -24,6 +26,15 @@ class DraftProposal:
     @property
     def num_draft_tokens(self) -> list[int]:
         return [len(d) for d in self.draft_token_ids]
+
+    @property
+    def num_positions(self) -> list[int]:
+        """Per request, the positions drafted: K for a chain, the depth for a tree."""
+        if self.draft_parents is None:
+            return self.num_draft_tokens
+        from specdec.spec.tree import depths
+
+        return [max(depths(p), default=0) for p in self.draft_parents]
 
     @property
     def is_tree(self) -> bool:

@@ -73,8 +73,22 @@ def assert_matches_reference(query, kv_cache, meta, **kwargs):
 
 
 def _cpu(meta):
+    trees = None if meta.tree_masks is None else [t if t is None else (t[0], t[1].cpu()) for t in meta.tree_masks]
     return AttentionMetadata(meta.query_start_loc.cpu(), meta.seq_lens.cpu(), meta.block_tables.cpu(),
-                             meta.slot_mapping.cpu(), meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_size)
+                             meta.slot_mapping.cpu(), meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_size,
+                             trees)
+
+
+def test_token_tree_steps_match_the_reference():
+    """A step verifying a token tree (its nodes see the context and their ancestors only) next
+    to a decode row: served by the torch path, the kernel knows only the causal rule."""
+    from specdec.spec.tree import ancestor_mask
+
+    parents = [-1, -1, 0, 0, 1, 2]
+    query, kv_cache, meta = make_batch([1 + len(parents), 1], [30 + len(parents), 17], block_size=8, num_kv_heads=2,
+                                       group=2, head_dim=16, dtype=torch.float32, seed=5)
+    meta.tree_masks = [(30, ancestor_mask(parents).to(DEVICE)), None]
+    assert_matches_reference(query, kv_cache, meta)
 
 
 @pytest.mark.parametrize(

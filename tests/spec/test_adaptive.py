@@ -10,6 +10,7 @@ from specdec.spec.adaptive import (
     AcceptanceEstimator,
     StepCostModel,
     choose_num_spec_tokens,
+    choose_num_tree_nodes,
     completion_weights,
     expected_tokens,
 )
@@ -342,3 +343,35 @@ def test_vectorised_position_acceptances_match_the_per_request_ones():
     np.testing.assert_allclose(table, [est.position_acceptance(r) for r in ids])
     cost = cost_model(lambda n: 0.05 + 0.004 * n)
     assert choose_num_spec_tokens(table, 8, cost) == choose_num_spec_tokens([list(row) for row in table], 8, cost)
+
+
+# ---- choose_num_tree_nodes (adaptive token trees) -----------------------------------------
+
+@pytest.mark.parametrize("target", [flat_until(16), lambda n: 0.01 + 0.002 * n, lambda n: 0.004 * n ** 1.3],
+                         ids=["flat-then-linear", "linear", "convex"])
+def test_tree_nodes_chosen_are_the_best_set_by_brute_force(target):
+    """Against every combination of per-request prefixes (3 requests, up to 4 nodes each, 30
+    random gain sets): the chosen node counts reach the best tokens per second."""
+    cost = cost_model(target)
+    rng = random.Random(0)
+    for _ in range(30):
+        gains = [sorted((rng.random() ** 2 for _ in range(rng.randint(0, 4))), reverse=True) for _ in range(3)]
+        base, sunk = rng.randint(1, 6), rng.choice([0.0, 0.005])
+
+        def rate(counts):
+            value = base + sum(sum(g[:n]) for g, n in zip(gains, counts))
+            return value / (sunk + float(cost.costs("target", np.array([base + sum(counts)]))[0]))
+
+        best = max(rate(c) for c in itertools.product(*[range(len(g) + 1) for g in gains]))
+        chosen = choose_num_tree_nodes(gains, base, cost, sunk)
+        assert all(0 <= n <= len(g) for n, g in zip(chosen, gains))
+        assert rate(chosen) == pytest.approx(best, rel=1e-9)
+
+
+def test_tree_nodes_follow_the_price_of_rows():
+    gains = [[0.6, 0.3, 0.12, 0.05, 0.02, 0.01]]
+    assert choose_num_tree_nodes(gains, 1, cost_model(lambda n: 0.02)) == [6]  # rows free: every node
+    assert choose_num_tree_nodes(gains, 1, cost_model(lambda n: 0.02 * n)) == [0]  # a row costs a token
+    some = choose_num_tree_nodes(gains, 1, cost_model(lambda n: 0.02 + 0.001 * n))[0]
+    assert 1 <= some < 6
+    assert choose_num_tree_nodes([[], []], 2, cost_model(lambda n: 0.02)) == [0, 0]

@@ -254,3 +254,32 @@ def test_logprobs_penalties_and_preemption_with_trees(llama_path, noisy_draft_pa
     assert small.get_metrics()["num_preemptions"] > 0
     assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in prompts[:12]]
     assert_no_leaks(small)
+
+
+def test_adaptive_trees_stay_greedy_identical_and_size_themselves(llama_path, noisy_draft_path, prompts, reference):
+    """K "auto" with trees: the planner picks each request's depth, the cost model how many of
+    the drafted nodes are verified (a varying number, within the ceiling)."""
+    llm = LLM(model=llama_path, **ENGINE, speculative_config={
+        "method": "draft_model", "model": noisy_draft_path, "num_speculative_tokens": "auto",
+        "max_num_speculative_tokens": 4, "tree_topk": 3, "tree_nodes": 12})
+    # a priced machine (tiny models' real timings are noise): a pass costs 20 ms + 0.5 ms per row,
+    # a draft pass 1 ms, so deep trees pay for some nodes but not for all of them
+    cost = llm.engine.spec_controller.cost
+    cost.costs = lambda kind, n: np.where(np.asarray(n, dtype=float) > 0,
+                                          0.02 + 0.0005 * np.asarray(n, dtype=float) if kind == "target" else 0.001, 0.0)
+    cost.observe = lambda *args: None
+    sizes = []
+    inner = llm.engine.proposer.propose
+
+    def recording(requests, num_spec):
+        proposal = inner(requests, num_spec)
+        sizes.extend(len(d) for d, k in zip(proposal.draft_token_ids, num_spec) if k)
+        assert proposal.expected_accepted is not None
+        return proposal
+
+    llm.engine.proposer.propose = recording
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in prompts]
+    assert sizes and max(sizes) <= 12 and len(set(sizes)) > 1
+    assert llm.get_metrics()["num_accepted_tokens"] > 0 and llm.engine.spec_controller.tree_calibration != 1.0
+    assert_no_leaks(llm)
