@@ -225,13 +225,19 @@ def goals_table(results: list[tuple[Path, dict]]) -> str:
                 speedup("batch", row), min(1.0, speedup("batch", "off-again") or 1.0))
     default = by_name.get("default_pair_eval")
     if default:
-        k5 = default.get("k5", {})
-        add("default_pair_eval", "embedded default pair, K=5 greedy, held-out prompts: mean acceptance length >= 2.5",
-            k5.get("mean_acceptance_length"), 2.5)
-        wide = default.get("k5_heldout48")
-        if wide:
-            add("default_pair_eval", f"the same on train-draft's {wide['prompts']} held-out chat/code prompts (wider sample)",
-                wide.get("mean_acceptance_length"), 2.5)
+        for key, shape in (("k5", "a K=5 chain"), ("k5_tree", "a depth-5 token tree")):
+            fixed = default.get(key)
+            if not fixed:
+                continue
+            if key == "k5_tree":
+                cfg = fixed.get("config", {})
+                shape += f" (top-{cfg.get('tree_topk')}, {cfg.get('tree_nodes')} nodes)"
+            add("default_pair_eval", f"embedded default pair, {shape}, greedy, held-out prompts: mean acceptance "
+                "length >= 2.5", fixed.get("mean_acceptance_length"), 2.5)
+            wide = default.get(f"{key}_heldout48")
+            if wide:
+                add("default_pair_eval", f"the same on train-draft's {wide['prompts']} held-out chat/code prompts "
+                    "(wider sample)", wide.get("mean_acceptance_length"), 2.5)
         add("default_pair_eval", "embedded default pair: a real speedup (auto K) over no speculation",
             default.get("speedup"), 1.0)
     if not rows:

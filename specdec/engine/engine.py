@@ -140,7 +140,7 @@ class LLMEngine:
             if proposal.is_tree and drafts:  # nodes at slots start + n + i, positions start + n - 1 + depth
                 parents = proposal.draft_parents[i]
                 positions = list(range(start, start + n)) + [start + n - 1 + d for d in tree.depths(parents)]
-                mask = (start + n, tree.ancestor_mask(parents, rows_before=n).to(self.device))
+                mask = (start + n, tree.ancestor_mask(parents, rows_before=n))
             tree_positions.append(positions)
             tree_masks.append(mask)
         batch = self.runner.prepare(feeds, starts, tables, logit_rows, tree_positions, tree_masks)

@@ -88,7 +88,8 @@ class ModelRunner:
         attn = AttentionMetadata(
             query_start_loc=t(qsl), seq_lens=t(seq_lens), block_tables=t(table), slot_mapping=t(slots),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=bs,
-            tree_masks=None if tree_masks is None or all(m is None for m in tree_masks) else list(tree_masks),
+            tree_masks=None if tree_masks is None or all(m is None for m in tree_masks) else
+            [m if m is None else (m[0], m[1].to(dev)) for m in tree_masks],
         )
         return ForwardBatch(t(flat_ids), t(positions), attn, t(logits_idx))
 

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig
 
 from specdec import LLM, SamplingParams
+from specdec.config import SpeculativeConfig
 from specdec.runtime.model_runner import ModelRunner
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=128)
@@ -22,9 +23,9 @@ def greedy(max_tokens: int = MAX_TOKENS, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=kw.pop("ignore_eos", True), **kw)
 
 
-def spec_llm(target: str, draft: str, k: int, **kw) -> LLM:
+def spec_llm(target: str, draft: str, k: int, tree: dict | None = None, **kw) -> LLM:
     return LLM(model=target, **{**ENGINE, **kw},
-               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": k})
+               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": k, **(tree or {})})
 
 
 @pytest.fixture(scope="module")
@@ -185,12 +186,15 @@ def test_no_kv_leaks_after_many_speculative_requests_with_aborts(llama_path, noi
     assert_no_leaks(llm)
 
 
-def test_preemption_with_speculation_keeps_greedy_identical(llama_path, noisy_draft_path, prompts, reference):
+@pytest.mark.parametrize("tree", [None, {"tree_topk": 3, "tree_nodes": 10}], ids=["chain", "tree"])
+def test_preemption_with_speculation_keeps_greedy_identical(tree, llama_path, noisy_draft_path, prompts, reference):
     bs, max_model_len, k = 8, 96, 4
+    slots = SpeculativeConfig(method="draft_model", model=noisy_draft_path, num_speculative_tokens=k,
+                              **(tree or {})).num_spec_slots  # a tree reserves a slot per node
     block_bytes = (ModelRunner.kv_bytes_per_block(AutoConfig.from_pretrained(llama_path), bs, torch.float32)
                    + ModelRunner.kv_bytes_per_block(AutoConfig.from_pretrained(noisy_draft_path), bs, torch.float32))
-    num_blocks = -(-(max_model_len + k + 1) // bs)  # the least the engine accepts: one full-length sequence
-    llm = spec_llm(llama_path, noisy_draft_path, k, max_model_len=max_model_len, block_size=bs,
+    num_blocks = -(-(max_model_len + slots + 1) // bs)  # the least the engine accepts: one full-length sequence
+    llm = spec_llm(llama_path, noisy_draft_path, k, tree, max_model_len=max_model_len, block_size=bs,
                    kv_cache_memory=num_blocks * block_bytes)
     assert llm.engine.kv.pool.num_blocks == num_blocks
     outs = llm.generate(prompts[:12], greedy(), use_tqdm=False)
