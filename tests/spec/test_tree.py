@@ -1,8 +1,8 @@
 """Token trees (float32): the tree helpers, attention under tree masks against a dense
 computation, the tree verifier (greedy walk; sampling reproduces the target's distribution),
 and end to end: greedy output with tree drafting is token-identical to plain decoding, the
-draft's tree is what the draft model itself ranks highest, logprobs / penalties / preemption
-behave as without trees (preemption: ``test_spec_decode``), and no KV block leaks."""
+draft's tree is what the draft model itself ranks highest, logprobs and penalties behave as
+without trees (preemption: ``test_spec_decode``), and no KV block leaks."""
 from __future__ import annotations
 
 import numpy as np
