@@ -64,4 +64,6 @@ def test_bf16_agreement_and_acceptance(target, draft):
     m = spec.get_metrics()
     print(f"\n{target} + {draft} bf16: identical prefix {agree}/{total} tokens, acceptance "
           f"{m['acceptance_rate']:.3f}, mean acceptance length {m['mean_acceptance_length']:.2f}")
-    assert m["acceptance_rate"] > 0.3  # a trained draft of the same family agrees far above chance
+    # a trained draft of the same family agrees far above chance (the mean acceptance length, not
+    # the rate: the default pair drafts token trees, whose rate counts every node verified)
+    assert m["mean_acceptance_length"] > 1.5
