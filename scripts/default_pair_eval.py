@@ -74,6 +74,7 @@ def main() -> None:
         "speedup": statistics.median(s / p for s, p in zip(rates["spec"], rates["plain"])),
         "acceptance_rate": m["acceptance_rate"], "mean_acceptance_length": m["mean_acceptance_length"],
         "acceptance_per_position": m["acceptance_per_position"], "identical_outputs": f"{agree}/{len(prompts)}",
+        "draft_tokens_per_draft": m["num_draft_tokens"] / m["num_drafts"] if m["num_drafts"] else 0.0,
     }
     wide_prompts = [plain.apply_chat_template([{"role": "user", "content": p}]) for p in HELDOUT_CHAT + HELDOUT_CODE]
     for name, cfg in fixed.items():
