@@ -138,9 +138,8 @@ class LLMEngine:
             sampled.append(completes)
             positions, mask = None, None
             if proposal.is_tree and drafts:  # nodes at slots start + n + i, positions start + n - 1 + depth
-                parents = proposal.draft_parents[i]
-                positions = list(range(start, start + n)) + [start + n - 1 + d for d in tree.depths(parents)]
-                mask = (start + n, tree.ancestor_mask(parents, rows_before=n))
+                positions = list(range(start, start + n)) + [start + n - 1 + d for d in proposal.tree_depths[i]]
+                mask = (start + n, tree.ancestor_mask(proposal.draft_parents[i], rows_before=n))
             tree_positions.append(positions)
             tree_masks.append(mask)
         batch = self.runner.prepare(feeds, starts, tables, logit_rows, tree_positions, tree_masks)
@@ -191,7 +190,7 @@ class LLMEngine:
             emitted = tokens_list[k][: accepted + 1]
             verdict = self._tree_verdicts[k] if self._tree_verdicts is not None else None
             k += 1
-            if verdict is not None and verdict.path != list(range(accepted)):
+            if verdict is not None:
                 self._compact_tree_path(req, n, verdict.path, self._target_rows[1][i])
             num_positions = positions[i]  # K, or a tree's depth
             if req.num_output_tokens:  # a decode/verify step (not a prompt's first token)
@@ -229,10 +228,13 @@ class LLMEngine:
 
     def _compact_tree_path(self, req: Request, n: int, path: list[int], first_row: int) -> None:
         """Move the accepted tree nodes' KV (and, for EAGLE, their hidden states) to the
-        consecutive positions they now hold: node i sat at position num_computed + n + i."""
+        consecutive positions they now hold: node i sat at position num_computed + n + i (a path
+        through the first child at every depth is already in place)."""
         first = req.num_computed_tokens + n
-        blocks = self.kv.get_block_ids(req.request_id)
         moves = [(first + node, first + j) for j, node in enumerate(path) if node != j]
+        if not moves:
+            return
+        blocks = self.kv.get_block_ids(req.request_id)
         self.runner.move_kv([self.runner.slot_of(blocks, s) for s, _ in moves],
                             [self.runner.slot_of(blocks, d) for _, d in moves])
         hidden = self.runner.last_hidden

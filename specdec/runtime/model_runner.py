@@ -73,8 +73,7 @@ class ModelRunner:
             flat_ids.extend(ids)
             own = tree_positions[i] if tree_positions is not None else None
             positions.extend(own if own is not None else range(start, start + len(ids)))
-            for p in range(start, start + len(ids)):
-                slots.append(blocks[p // bs] * bs + p % bs)
+            slots.extend(self.slot_of(blocks, p) for p in range(start, start + len(ids)))
             logits_idx.extend(base + r for r in rows)
             qsl.append(len(flat_ids))
             seq_lens.append(start + len(ids))
@@ -128,6 +127,7 @@ class ModelRunner:
             flat[:, dst] = flat[:, src]
 
     def slot_of(self, block_ids: list[int], position: int) -> int:
+        """The cache slot of ``position`` in a request with blocks ``block_ids``."""
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
     def _logits_out(self, num_rows: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from functools import cached_property
 
 import torch
 
@@ -113,14 +114,15 @@ class DraftModelProposer(Proposer):
         trees = [_GrowingTree() for _ in reqs]
         bases = [r.num_tokens + self.row_shift for r in reqs]  # position (and first slot) of depth-1 nodes
         room = [r.num_tokens + s - b for r, s, b in zip(reqs, slots, bases)]  # draft slots from base on
-        depth_cap = [max(1, min(r.spec_depth_wanted or self.tree_depth, self.tree_depth, s,
-                                r.max_tokens - r.num_output_tokens - 1)) for r, s in zip(reqs, slots)]
+        # slots <= the tokens the request may still emit (the scheduler's cap), so depth is too
+        depth_cap = [max(1, min(r.spec_depth_wanted or self.tree_depth, self.tree_depth, s)) for r, s in zip(reqs, slots)]
+        max_depth = max(depth_cap)
         parent_rows = [(j, -1) for j in range(len(reqs))]  # (request, node) behind each row of the last pass
-        for depth in range(1, max(depth_cap) + 1):
+        for depth in range(1, max_depth + 1):
             top_lp, top_tok = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)
             for (j, node), lps, toks in zip(parent_rows, top_lp.tolist(), top_tok.tolist()):
                 trees[j].add_children(node, toks, lps, depth)
-            if depth == max(depth_cap):
+            if depth == max_depth:
                 break
             feeds, starts, positions, masks, tables, rows, parent_rows = [], [], [], [], [], [], []
             for j, t in enumerate(trees):
@@ -250,18 +252,20 @@ class _GrowingTree:
                 n = self.parents[n]
         return mask
 
-    def _ranked(self) -> list[int]:
+    @cached_property
+    def ranked(self) -> list[int]:
+        """Every node, best score first (read once the tree has stopped growing)."""
         return sorted(range(len(self.tokens)), key=lambda n: (-self.scores[n], self.depths[n]))
 
     def gains(self, limit: int) -> list[float]:
         """The draft's probability of each of the ``limit`` best nodes' paths, best first."""
-        return [math.exp(self.scores[n]) for n in self._ranked()[:limit]]
+        return [math.exp(self.scores[n]) for n in self.ranked[:limit]]
 
     def select(self, limit: int) -> tuple[list[int], list[int]]:
         """The ``limit`` best-scoring nodes, closed under ancestors, in (depth, score) order:
         (tokens, parents as indices into the selection)."""
         chosen: set[int] = set()
-        for n in self._ranked():
+        for n in self.ranked:
             if len(chosen) >= limit:
                 break
             if self.parents[n] < 0 or self.parents[n] in chosen:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -27,14 +28,22 @@ class DraftProposal:
     def num_draft_tokens(self) -> list[int]:
         return [len(d) for d in self.draft_token_ids]
 
+    @cached_property
+    def tree_depths(self) -> list[list[int]] | None:
+        """Per request, each tree node's depth (computed once: the target pass, the commit and
+        the controller all read it); None for chains."""
+        if self.draft_parents is None:
+            return None
+        from specdec.spec.tree import depths
+
+        return [depths(p) for p in self.draft_parents]
+
     @property
     def num_positions(self) -> list[int]:
         """Per request, the positions drafted: K for a chain, the depth for a tree."""
-        if self.draft_parents is None:
+        if self.tree_depths is None:
             return self.num_draft_tokens
-        from specdec.spec.tree import depths
-
-        return [max(depths(p), default=0) for p in self.draft_parents]
+        return [max(d, default=0) for d in self.tree_depths]
 
     @property
     def is_tree(self) -> bool:
