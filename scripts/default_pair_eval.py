@@ -18,7 +18,7 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.models.default import DEFAULT_TARGET, default_engine_kwargs, draft_spec_config
-from specdec.spec.draft_corpus import HELDOUT_CHAT, HELDOUT_CODE
+from specdec.training.draft_corpus import HELDOUT_CHAT, HELDOUT_CODE
 
 HELD_OUT = [
     "Write a Python function that merges two sorted lists.",

@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--hidden-size", type=int, default=64)
     t.set_defaults(func=cmd_make_tiny)
 
-    for module in ("specdec.models.hub", "specdec.spec.train_draft", "specdec.server.cli", "specdec.bench.cli"):
+    for module in ("specdec.models.hub", "specdec.training.train_draft", "specdec.server.cli", "specdec.bench.cli"):
         _register_optional(module, sub)
     return parser
 

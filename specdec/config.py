@@ -25,7 +25,7 @@ class SpeculativeConfig:
     acceptance: float = 0.8  # "replay" (benchmark only): probability a proposed token is kept correct
     # token trees (methods "eagle" and "draft_model"): the draft keeps its top ``tree_topk``
     # candidates per expanded node, expands the ``tree_topk`` likeliest nodes of each depth up to K,
-    # and sends its ``tree_nodes`` likeliest nodes to verification (``specdec.spec.tree``); 1 = a chain.
+    # and sends its ``tree_nodes`` likeliest nodes to verification (``specdec.spec_decode.tree``); 1 = a chain.
     # With K "auto" the depth is planned per request and ``tree_nodes`` is a ceiling: the nodes whose
     # expected acceptance pays for their verification rows under the measured step costs are sent
     tree_topk: int = 1
@@ -135,7 +135,6 @@ class EngineConfig:
     enforce_eager: bool = False  # GPUs: no CUDA/HIP graphs for decode and verify steps (as vLLM's flag)
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     spec_cost_calibration: bool = True
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -5,7 +5,7 @@ import itertools
 from collections.abc import Sequence
 
 from specdec.config import EngineConfig
-from specdec.engine.engine import LLMEngine
+from specdec.engine.engine_core import EngineCore
 from specdec.outputs import RequestOutput
 from specdec.sampling_params import SamplingParams
 
@@ -15,9 +15,10 @@ PromptType = str | list[int]
 class LLM:
     """vLLM-compatible offline entry point. Keyword arguments are ``EngineConfig`` fields,
     plus ``speculative_config`` (dict / JSON) or the older ``speculative_model`` +
-    ``num_speculative_tokens``."""
+    ``num_speculative_tokens``. ``share_weights_with``: another ``LLM`` whose target weights this
+    one runs on instead of loading a copy (benchmarks comparing proposers on one model)."""
 
-    def __init__(self, model: str | None = None, **kwargs):
+    def __init__(self, model: str | None = None, share_weights_with: LLM | None = None, **kwargs):
         if model is None:
             from specdec.models.default import default_engine_kwargs
 
@@ -25,7 +26,7 @@ class LLM:
             for key, value in defaults.items():
                 kwargs.setdefault(key, value)
         self.config = EngineConfig.from_kwargs(model, **kwargs)
-        self.engine = LLMEngine(self.config)
+        self.engine = EngineCore(self.config, share_weights_with.engine if share_weights_with else None)
         self._counter = itertools.count()
 
     @property

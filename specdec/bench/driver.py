@@ -3,8 +3,8 @@
 ``timed_generate`` queues a batch, steps the engine, and splits the wall time at the
 moment every request has its first token: before it is the prefill phase (its first
 tokens count as prefill output), after it the decode phase. Acceptance is counted per
-draft through a tap on ``LLMEngine.observe_acceptance``, so each run has exact
-per-draft outcomes without reading the engine's cumulative counters.
+draft from the engine's step records (``EngineCore.add_step_observer``), so each run has
+exact per-draft outcomes without reading the engine's cumulative counters.
 """
 from __future__ import annotations
 
@@ -69,19 +69,18 @@ class RunResult:
 
 @contextlib.contextmanager
 def acceptance_tap(engine):
-    """Count (num_drafted, num_accepted) per draft while the block runs; the engine is unchanged after."""
+    """Count (positions drafted, drafts accepted) per draft while the block runs."""
     counts = AcceptanceCounts()
-    original = engine.observe_acceptance
 
-    def observe(req, num_drafted, num_accepted):
-        counts.add(num_drafted, num_accepted)
-        original(req, num_drafted, num_accepted)
+    def observe(record):
+        for _, _, num_positions, num_accepted in record.drafts():
+            counts.add(num_positions, num_accepted)
 
-    engine.observe_acceptance = observe  # an instance attribute shadows the method
+    engine.add_step_observer(observe)
     try:
         yield counts
     finally:
-        del engine.observe_acceptance
+        engine.remove_step_observer(observe)
 
 
 def _timers(engine) -> tuple[float, float, float]:
@@ -205,12 +204,7 @@ def greedy_params(output_len: int, temperature: float = 0.0, seed: int | None = 
 
 def register_references(llm, prompts: list[list[int]], continuations: list[list[int]]) -> bool:
     """Give a replay proposer the target's own greedy continuations; False if it is another method."""
-    proposer = llm.engine.proposer
-    if proposer is None or not hasattr(proposer, "set_reference"):
-        return False
-    for prompt, cont in zip(prompts, continuations):
-        proposer.set_reference(prompt, cont)
-    return True
+    return llm.engine.executor.collective_rpc("set_replay_references", list(zip(prompts, continuations)))
 
 
 def warmup(llm, num_tokens: int = 8, seed: int = 12345) -> None:
@@ -235,13 +229,10 @@ def draft_cost_ratio(llm, num_tokens: int, repeats: int = 5) -> dict | None:
     Uses ``time_forward``, which writes KV slots of free blocks: call it before the engine
     serves any request (a prefix-cached block it overwrote would go stale).
     """
-    from specdec.runtime.calibrate import time_forward
-
-    engine = llm.engine
-    draft = getattr(engine, "draft_runner", None)
-    if draft is None:
+    worker = llm.engine.executor.driver_worker
+    if worker.draft_runner is None:
         return None
-    t_target = min(time_forward(engine.runner, num_tokens) for _ in range(repeats))
-    t_draft = min(time_forward(draft, num_tokens) for _ in range(repeats))
+    t_target = min(worker.time_forward("target", num_tokens) for _ in range(repeats))
+    t_draft = min(worker.time_forward("draft", num_tokens) for _ in range(repeats))
     return {"num_tokens": num_tokens, "target_forward_s": t_target, "draft_forward_s": t_draft,
             "cost_ratio": t_draft / t_target, "source": "time_forward"}

@@ -1,7 +1,7 @@
 """``specdec bench profile``: where one decode step's time goes.
 
-The engine steps a batch already past its prefill under ``torch.profiler`` with a few labelled
-ranges put around its parts (for the duration of the profile only): the proposer, the target's
+The engine steps a batch already past its prefill under ``torch.profiler``; the engine marks
+the parts of a step with named ranges (``specdec.profiling``): the proposer, the target's
 forward, the paged attention inside it (KV write + attend), and verification/sampling. Each
 operator is charged to the innermost labelled range around it; inside the target forward
 it counts as *linear* (matmul-family operators: weights and the LM head), or *other kernels*
@@ -14,19 +14,19 @@ GPU an operator's time is its launch, and waiting for the device lands on whatev
 """
 from __future__ import annotations
 
-import contextlib
 import time
 
 from specdec.bench import driver
 from specdec.bench.cli import add_common_args, engine_args, has_speculation
 from specdec.bench.report import format_table, median, result_header, run_benchmark
+from specdec.profiling import RANGE_PREFIX
 
 # the matmul-family operators the model's linears reach (packed bf16, int8 variants, plain F.linear)
 LINEAR_OPS = frozenset({"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm",
                         "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm", "quantized::linear_dynamic"})
 CATEGORIES = ("linear", "attention", "other kernels", "forward Python", "draft", "verification + sampling",
               "engine Python")
-_PREFIX = "specdec::"
+_PREFIX = RANGE_PREFIX
 
 
 def add_parser(sub):
@@ -40,38 +40,6 @@ def add_parser(sub):
 
 def run(args) -> int:
     return run_benchmark(args, measure, render, "plot_profile")
-
-
-@contextlib.contextmanager
-def _labelled(engine):
-    """Put record_function ranges around the step's parts; everything is restored afterwards."""
-    import torch
-
-    from specdec.layers.attention import AttentionBackend
-
-    def wrap(fn, label):
-        def inner(*a, **kw):
-            with torch.profiler.record_function(_PREFIX + label):
-                return fn(*a, **kw)
-        return inner
-
-    saved_backends = []
-    patched = [(engine, "step"), (engine, "propose"), (engine, "verify"), (engine.runner, "forward")]
-    try:
-        for module in engine.runner.model.modules():
-            backend = getattr(module, "backend", None)
-            if isinstance(backend, AttentionBackend):
-                saved_backends.append((module, backend))
-                module.backend = AttentionBackend(backend.name, wrap(backend.write_kv, "attention"),
-                                                  wrap(backend.attend, "attention"))
-        for obj, name in patched:  # instance attributes shadow the methods
-            setattr(obj, name, wrap(getattr(obj, name), "draft" if name == "propose" else name))
-        yield
-    finally:
-        for module, backend in saved_backends:
-            module.backend = backend
-        for obj, name in patched:
-            obj.__dict__.pop(name, None)
 
 
 def _start_decoding(llm, prompts, params) -> None:
@@ -155,10 +123,9 @@ def profile_engine(llm, prompts, params, steps: int, num_iters: int) -> dict:
         _finish(llm)
     _start_decoding(llm, prompts, params)
     emitted = llm.engine.spec_metrics.num_emitted_tokens
-    with _labelled(llm.engine):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                llm.engine.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            llm.engine.step()
     tokens_per_step = (llm.engine.spec_metrics.num_emitted_tokens - emitted) / steps
     _finish(llm)
     us = classify(prof.events())
@@ -173,7 +140,7 @@ def measure(args) -> dict:
     from specdec.cli import make_llm
 
     # long enough that no request finishes inside the profiled steps, whatever K accepts
-    from specdec.spec.ngram import MAX_NUM_SPECULATIVE_TOKENS
+    from specdec.spec_decode.ngram import MAX_NUM_SPECULATIVE_TOKENS
 
     max_tokens = args.steps * (MAX_NUM_SPECULATIVE_TOKENS + 1) + 8  # every draft accepted, every step
     need = args.input_len + max_tokens + 16
@@ -184,7 +151,7 @@ def measure(args) -> dict:
     driver.warmup(base)
     if has_speculation(args):
         spec = make_llm(engine_args(args, max_model_len=need))
-        if getattr(spec.engine.proposer, "set_reference", None) is not None:  # replay: the target's own path
+        if spec.engine.config.speculative_config.method == "replay":  # the target's own path
             driver.register_references(spec, prompts, driver.timed_generate(base, prompts, params).token_ids)
         driver.warmup(spec)
         engines[f"speculative ({spec.engine.config.speculative_config.method})"] = spec

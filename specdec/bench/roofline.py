@@ -189,7 +189,7 @@ def engine_roofline(llm, bandwidth: float, mean_context_len: float, batch_size: 
                     flops_per_s: float | None = None) -> Roofline:
     """The roofline of an ``LLM``'s target model as loaded (dtype, packing, quantization)."""
     engine = llm.engine
-    weights = weight_bytes(engine.runner.model)
-    kv = kv_bytes_per_token(engine.model_config, engine.runner.dtype)
+    weights = weight_bytes(engine.executor.driver_worker.runner.model)
+    kv = kv_bytes_per_token(engine.model_config, engine.dtype)
     return roofline(bandwidth, weights, kv, mean_context_len, batch_size, flops_per_s,
                     attention_flops_per_context_token(engine.model_config))

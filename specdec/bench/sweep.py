@@ -48,16 +48,16 @@ def measure(args) -> dict:
 
     if not all(0.0 <= a <= 1.0 for a in args.acceptances) or min(args.ks) < 1:
         raise ValueError("--acceptances must be in [0, 1] and --ks >= 1")
-    from specdec.runtime.calibrate import time_verify_forward
+    from specdec.worker.calibrate import time_verify_forward
 
-    from specdec.runtime.model_runner import ModelRunner
+    from specdec.worker.model_runner import ModelRunner
 
     base = make_llm(engine_args(args, speculative=False))
     # the model's own price of K + 1 rows: what verification costs on this hardware however little
     # the engine adds around it. Timed on the same weights with a KV cache of its own, right before
     # each pair of runs (the price moves with the VM's bandwidth phase: 1.05x vs 1.28x a row at K=5)
     context = args.input_len + args.output_len // 2
-    runner = base.engine.runner
+    runner = base.engine.executor.driver_worker.runner
     blocks = args.batch_size * (-(-(context + max(args.ks) + 1) // runner.block_size))
     probe = ModelRunner(runner.model, blocks, runner.block_size, runner.device, runner.dtype)
 
@@ -83,7 +83,7 @@ def measure(args) -> dict:
                 ratios[a].append(forward_ratio_now(k))
                 base_runs[a].append(driver.timed_generate(base, prompts, params))
                 base_rates.append(base_runs[a][-1].decode_tokens_per_s)
-                llm.engine.proposer.acceptance = a
+                llm.engine.executor.collective_rpc("set_replay_acceptance", a)
                 spec_runs[a].append(driver.timed_generate(llm, prompts, params))
         for a in args.acceptances:
             cell = {"k": k, "acceptance_set": a, **summarize_runs(spec_runs[a]),

@@ -61,10 +61,9 @@ def open_prompts(n: int) -> list[list[dict]]:
 
 
 def run_config(llm, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[float, int, dict]:
-    if llm.engine.proposer is not None:
-        # the suffix store would otherwise hold this very output from the previous repetition
-        # (and from the other copies of a prompt in "batch"): each run starts with an empty one
-        llm.engine.proposer.reset_history()
+    # the suffix store would otherwise hold this very output from the previous repetition
+    # (and from the other copies of a prompt in "batch"): each run starts with an empty one
+    llm.engine.reset_proposer_history()
     before = dict(llm.get_metrics())
     gc.collect()  # not the garbage of the previous configuration's run
     t = time.perf_counter()
@@ -96,13 +95,12 @@ def bench_workloads(args) -> dict:
         configs[method] = spec
         configs[f"{method}-auto"] = dict(spec, num_speculative_tokens="auto", max_num_speculative_tokens=args.k)
     configs["off-again"] = None  # the A/A control (short workloads only)
-    engines = {name: LLM(model=args.model, speculative_config=spec, **base_kwargs) for name, spec in configs.items()}
     # one copy of the weights for every engine (none of these proposers has a model of its own):
-    # two plain engines with their own copies differed by up to ~2-3% in median tokens/s here
-    # (where each copy's pages landed), as much as the "never slower" goal's whole margin
-    shared = engines["off"].engine.runner.model
-    for llm in engines.values():
-        llm.engine.runner.model = shared
+    # engines with their own copies differ in speed by where each copy's pages landed
+    first = LLM(model=args.model, **base_kwargs)
+    engines = {name: first if spec is None and name == "off" else
+               LLM(model=args.model, speculative_config=spec, share_weights_with=first, **base_kwargs)
+               for name, spec in configs.items()}
     gc.collect()
     workloads = {
         # an edit prints the file back whole: room for the longest function (946 tokens) and a comment

@@ -1,11 +1,23 @@
-"""Request: the plain state object the scheduler, runner and engine read and advance."""
+"""Request: the scheduler's plain state object for one sequence, with one owner per field.
+
+Ownership (who writes each field; everyone else only reads):
+- ``EngineCore.add_request``: ``request_id``, ``prompt_token_ids``, ``sampling_params``,
+  ``eos_token_ids``, ``seed``, ``arrival_time``.
+- ``Scheduler`` (``schedule`` / ``update_from_output`` / ``finish``): ``status``,
+  ``num_computed_tokens``, ``num_cached_prompt_tokens``, ``num_preemptions``, the output
+  tokens and logprobs (appended by the commit), ``first_token_time`` / ``last_token_time``,
+  and the per-request speculation counters ``num_drafts`` / ``num_draft_tokens`` /
+  ``num_accepted_tokens``.
+- ``OutputProcessor`` (called by the commit): ``output_text``, ``stop_reason`` and the
+  detokenizer offsets.
+The worker keeps its own copy of what it needs (``specdec.worker.request_state``); the draft
+KV count and the seeded generator live there, not here.
+"""
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from specdec.sampling_params import SamplingParams
 
@@ -23,40 +35,14 @@ class RequestStatus(enum.Enum):
         return self.value in ("stop", "length", "abort")
 
 
-@dataclass(eq=False)
-class Request:
-    request_id: str
+class TokenSequence:
+    """Prompt + output token bookkeeping shared by the scheduler's ``Request`` and the worker's
+    ``CachedRequestState``: both hold ``prompt_token_ids``, ``output_token_ids`` and
+    ``_all_token_ids`` (prompt + output, kept incrementally)."""
+
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: tuple[int, ...] = ()
-    arrival_time: float = field(default_factory=time.monotonic)
-    output_token_ids: list[int] = field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING
-    # owned by the scheduler: tokens whose KV is in the target cache
-    num_computed_tokens: int = 0
-    num_cached_prompt_tokens: int = 0  # prefix-cache hit at admission
-    num_preemptions: int = 0
-    # owned by the engine (speculation): draft tokens verified this step, and the K wanted next
-    spec_token_ids: list[int] = field(default_factory=list)
-    num_spec_tokens_wanted: int = 0
-    spec_depth_wanted: int = 0  # token trees with adaptive K: the planned depth (slots are wanted for the tree)
-    # owned by the draft proposer: tokens whose KV is in the draft cache
-    num_draft_computed_tokens: int = 0
-    generator: torch.Generator | None = None
-    stop_reason: int | str | None = None
-    output_text: str = ""
-    # owned by the output processor: output_text covers output_token_ids[:detok_read_offset];
-    # tokens from detok_prefix_offset on are re-decoded as context for the next piece
-    detok_prefix_offset: int = 0
-    detok_read_offset: int = 0
-    output_logprobs: list[dict[int, float]] | None = None
-    # metrics
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    _all_token_ids: list[int] = field(default_factory=list, repr=False)
+    output_token_ids: list[int]
+    _all_token_ids: list[int]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,7 +58,7 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        """Prompt + output, kept incrementally (read-only for callers: append via append_output_token)."""
+        """Prompt + output (read-only for callers: append via append_output_token)."""
         if len(self._all_token_ids) != self.num_tokens:
             self._all_token_ids = self.prompt_token_ids + self.output_token_ids
         return self._all_token_ids
@@ -82,6 +68,38 @@ class Request:
         self._all_token_ids.append(token)
 
     @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens or 1 << 62
+
+
+@dataclass(eq=False)
+class Request(TokenSequence):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    seed: int | None = None  # the worker's generator for this request is seeded with it
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the target cache
+    num_cached_prompt_tokens: int = 0  # prefix-cache hit at admission
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    output_text: str = ""
+    # output_text covers output_token_ids[:detok_read_offset]; tokens from detok_prefix_offset on
+    # are re-decoded as context for the next piece
+    detok_prefix_offset: int = 0
+    detok_read_offset: int = 0
+    output_logprobs: list[dict[int, float]] | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    _all_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 
@@ -89,7 +107,3 @@ class Request:
     def is_decoding(self) -> bool:
         """Only the newest token lacks KV: this step verifies drafts (or decodes one token)."""
         return self.num_tokens - self.num_computed_tokens == 1
-
-    @property
-    def max_tokens(self) -> int:
-        return self.sampling_params.max_tokens or 1 << 62

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from specdec.runtime.device import is_rocm, warp_size
+from specdec.worker.device import is_rocm, warp_size
 
 
 @functools.cache

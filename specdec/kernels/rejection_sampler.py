@@ -1,7 +1,7 @@
 """Rejection sampling core in one launch, one program per request, no host sync (Triton).
 
 `rejection_sample_triton` has the signature and the result of the torch reference
-`specdec.spec.rejection_sampler.rejection_sample` (see its docstring for accepted / recovered /
+`specdec.spec_decode.rejection_sampler.rejection_sample` (see its docstring for accepted / recovered /
 bonus tokens). Everything random is drawn beforehand in torch, in the reference's order, so
 the kernel is a deterministic function of (probabilities, drafts, uniforms, exponentials) and
 equals the reference exactly given the same generators:
@@ -24,7 +24,7 @@ import triton.language as tl
 from specdec.kernels import interpreting
 from specdec.kernels.config import launch_options
 from specdec.layers.sampler import SamplingMetadata, processed_probs
-from specdec.spec.rejection_sampler import PLACEHOLDER_TOKEN_ID, _draft_uniforms, _PaddedLayout
+from specdec.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, _draft_uniforms, _PaddedLayout
 
 DEFINED_FOR_INTERPRETER = interpreting()  # the mode the kernels below are bound to (Triton decides at definition)
 

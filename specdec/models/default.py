@@ -10,7 +10,7 @@ DEFAULT_DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "default
 DEFAULT_NUM_SPEC_TOKENS = "auto"  # adaptive up to DEFAULT_MAX_SPEC_TOKENS: never much slower than no speculation
 DEFAULT_MAX_SPEC_TOKENS = 5
 # an EAGLE head drafts token trees: its top 4 candidates per node, at most 24 nodes verified (with
-# "auto", the measured step costs decide how many of them pay; specdec.spec.tree)
+# "auto", the measured step costs decide how many of them pay; specdec.spec_decode.tree)
 DEFAULT_TREE_TOPK = 4
 DEFAULT_TREE_NODES = 24
 

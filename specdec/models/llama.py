@@ -17,6 +17,7 @@ from torch import nn
 from specdec.layers.attention import REFERENCE_BACKEND, AttentionBackend, AttentionMetadata
 from specdec.layers.norm import RMSNorm
 from specdec.layers.rotary import RotaryEmbedding, rotate
+from specdec.profiling import profile_range
 
 
 def _cfg(config, name: str, default=None):
@@ -64,8 +65,9 @@ class Attention(nn.Module):
             q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
             q, k = rotate(q, *rope), rotate(k, *rope)
-        self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = self.backend.attend(q, kv_cache, meta, self.scale)  # [T, H, D]
+        with profile_range("attention"):
+            self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+            out = self.backend.attend(q, kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 import specdec
-from specdec.engine.engine import LLMEngine
+from specdec.engine.engine_core import LLMEngine
 from specdec.server.admission import Admission
 from specdec.server.async_engine import AsyncEngine
 from specdec.server.metrics import ServerMetrics

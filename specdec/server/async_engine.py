@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from specdec.engine.engine import LLMEngine
+from specdec.engine.engine_core import LLMEngine
 from specdec.outputs import RequestOutput
 from specdec.sampling_params import SamplingParams
 from specdec.server.metrics import ServerMetrics

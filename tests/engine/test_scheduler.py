@@ -1,11 +1,11 @@
-"""Scheduler + KV manager under random add / step / abort sequences, with a fake model step.
+"""Scheduler + KV manager under random add / step / abort sequences, with a fake worker.
 
-The fake step does what ``LLMEngine.commit`` does to the scheduler's state (advance
-``num_computed_tokens``, append tokens through the real ``OutputProcessor``, random
-speculative acceptance, finish or truncate) and also keeps a fake KV cache: every slot a
-step computes records the (position, token) it holds. Before each step every request's
-computed positions must still hold its own tokens; that catches a prefix-cache hit on the
-wrong block, a block freed or evicted while still in use, and a bad truncation.
+The fake worker stands in for the model: it decides random speculative outcomes and returns
+them as a ``ModelRunnerOutput``, which the real ``Scheduler.update_from_output`` commits. It
+also keeps a fake KV cache: every slot a step computes records the (position, token) it holds.
+Before each step every request's computed positions must still hold its own tokens; that
+catches a prefix-cache hit on the wrong block, a block freed or evicted while still in use,
+and a bad truncation.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from specdec.engine.output_processor import OutputProcessor
 from specdec.engine.request import Request, RequestStatus
 from specdec.engine.scheduler import Scheduler
 from specdec.sampling_params import SamplingParams
+from specdec.spec_decode.plan import SpeculationPlan
+from specdec.worker.model_runner_output import ModelRunnerOutput
 
 BS = 4
 VOCAB = 6  # small, so random prompts share prefixes and prefix-cache hits happen
@@ -30,11 +32,12 @@ class FakeEngine:
     def __init__(self, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  seed: int, enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True):
         self.kv = KVCacheManager(num_blocks, BS, enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill)
-        self.output = OutputProcessor(tokenizer=None, max_model_len=max_model_len)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill,
+                                   stop_checker=OutputProcessor(tokenizer=None, max_model_len=max_model_len))
         self.rng = random.Random(seed)
         self.kv_content: dict[int, tuple[int, int]] = {}  # slot -> (position, token)
         self.requests: list[Request] = []
+        self.worker_tokens: dict[str, list[int]] = {}  # the fake worker's own copy of each request's tokens
         self.num_steps = 0
 
     # ---- the engine's side of the contract ----
@@ -49,47 +52,67 @@ class FakeEngine:
             r = self.requests[index % len(self.requests)]
             if not r.is_finished:
                 self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+                self.sync_worker()
 
     def step(self) -> None:
-        for r in self.scheduler.running:  # plan_speculation
-            r.num_spec_tokens_wanted = self.rng.randint(0, 4) if r.is_decoding else 0
-        sched = self.scheduler.schedule()
+        plan = SpeculationPlan({r.request_id: self.rng.randint(0, 4) for r in self.scheduler.running if r.is_decoding})
+        sched = self.scheduler.schedule(plan)
         self.num_steps += 1
         self.check_schedule(sched)
-        for r, n, k in zip(sched.requests, sched.num_scheduled_tokens, sched.num_spec_slots):
-            start = r.num_computed_tokens
+        result = self.fake_worker(sched)
+        before = {rid: self.scheduler.requests[rid].num_output_tokens for rid in sched.request_ids}
+        updated, num_emitted = self.scheduler.update_from_output(sched, result)
+        for rid, emitted, tokens in zip(sched.request_ids, num_emitted, result.sampled_token_ids):
+            assert 0 <= emitted <= len(tokens)  # a stop may cut the run, never lengthen it
+            req = next(r for r in self.requests if r.request_id == rid)
+            assert req.num_output_tokens - before[rid] == emitted
+            assert req.output_token_ids[before[rid]:] == tokens[:emitted]
+        assert {r.request_id for r in updated} == {rid for rid, t in zip(sched.request_ids, result.sampled_token_ids) if t}
+        self.sync_worker()
+        self.check_state()
+
+    def fake_worker(self, sched) -> ModelRunnerOutput:
+        """Random acceptance over random drafts; writes the fake KV of every fed row."""
+        for new in sched.new_requests:
+            self.worker_tokens[new.request_id] = list(new.prompt_token_ids)
+        out = ModelRunnerOutput(request_ids=sched.request_ids)
+        for rid, start, n, k, blocks in zip(sched.request_ids, sched.num_computed_tokens, sched.num_scheduled_tokens,
+                                            sched.num_spec_slots, sched.block_ids):
+            tokens = self.worker_tokens[rid]
             drafts = [self.rng.randrange(VOCAB) for _ in range(k)]
-            fed = r.all_token_ids[start:start + n] + drafts
-            blocks = self.kv.get_block_ids(r.request_id)
+            fed = tokens[start:start + n] + drafts
             for pos, tok in zip(range(start, start + len(fed)), fed):
                 self.kv_content[blocks[pos // BS] * BS + pos % BS] = (pos, tok)
-            if start + n < r.num_tokens:  # partial prefill chunk
-                r.num_computed_tokens += n
-                self.kv.cache_full_blocks(r)
-                continue
-            accepted = self.rng.randint(0, k)
-            emitted = drafts[:accepted] + [self.rng.randrange(VOCAB)]
-            r.num_computed_tokens += n + accepted
-            status = None
-            for tok in emitted:
-                status = self.output.append_token(r, tok)
-                if status is not None:
-                    break
-            self.kv.cache_full_blocks(r)
-            if status is not None:
-                self.scheduler.finish(r, status)
-            else:
-                self.kv.truncate(r, r.num_tokens)
-        self.check_state()
+            sampled = []
+            accepted = 0
+            if start + n == len(tokens):  # not a partial prefill chunk
+                accepted = self.rng.randint(0, k)
+                sampled = drafts[:accepted] + [self.rng.randrange(VOCAB)]
+                tokens.extend(sampled)
+            out.sampled_token_ids.append(sampled)
+            out.num_draft_tokens.append(k if sampled else 0)
+            out.num_accepted_tokens.append(accepted)
+            out.num_draft_positions.append(k if sampled else 0)
+            out.logprobs.append(None)
+        return out
+
+    def sync_worker(self) -> None:
+        """What EngineCore tells the worker when requests finish: drop its copies."""
+        for rid in list(self.worker_tokens):
+            if rid not in self.scheduler.requests:
+                del self.worker_tokens[rid]
 
     # ---- invariants ----
     def check_schedule(self, sched) -> None:
         s = self.scheduler
         assert sched.total_num_tokens <= s.max_num_batched_tokens
-        assert len(sched.requests) <= s.max_num_seqs and len(s.running) <= s.max_num_seqs
-        assert len({id(r) for r in sched.requests}) == len(sched.requests)
-        for r, n, k in zip(sched.requests, sched.num_scheduled_tokens, sched.num_spec_slots):
+        assert len(sched.request_ids) <= s.max_num_seqs and len(s.running) <= s.max_num_seqs
+        assert len(set(sched.request_ids)) == len(sched.request_ids)
+        reqs = [s.requests[rid] for rid in sched.request_ids]
+        for r, n, k, start, blocks in zip(reqs, sched.num_scheduled_tokens, sched.num_spec_slots,
+                                          sched.num_computed_tokens, sched.block_ids):
             assert r.status == RequestStatus.RUNNING and r in s.running
+            assert start == r.num_computed_tokens and blocks == self.kv.get_block_ids(r.request_id)
             assert n >= 1 and r.num_computed_tokens + n <= r.num_tokens
             assert k == 0 or r.num_computed_tokens + n == r.num_tokens  # drafts only after the last real token
             assert r.num_output_tokens + k + 1 <= r.max_tokens  # never drafts past max_tokens
@@ -99,8 +122,11 @@ class FakeEngine:
             for pos in range(r.num_computed_tokens):
                 assert self.kv_content.get(blocks[pos // BS] * BS + pos % BS) == (pos, r.all_token_ids[pos]), (
                     f"{r.request_id} position {pos} lost its KV")
-        for r in sched.preempted:
+        for rid in sched.preempted_req_ids:
+            r = s.requests[rid]
             assert r.status == RequestStatus.PREEMPTED and r.num_computed_tokens == 0 and r in s.waiting
+        # the worker learns each request once, when it is first scheduled (not again after a preemption)
+        assert all(new.request_id not in self.worker_tokens for new in sched.new_requests)
 
     def check_state(self) -> None:
         pool, s = self.kv.pool, self.scheduler

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from specdec.kernels import config
-from specdec.runtime.device import kv_cache_bytes_from_gpu_utilization, warp_size
+from specdec.worker.device import kv_cache_bytes_from_gpu_utilization, warp_size
 
 GIB = 1 << 30
 

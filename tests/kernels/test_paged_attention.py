@@ -82,7 +82,7 @@ def _cpu(meta):
 def test_token_tree_steps_match_the_reference():
     """A step verifying a token tree (its nodes see the context and their ancestors only) next
     to a decode row: served by the torch path, the kernel knows only the causal rule."""
-    from specdec.spec.tree import ancestor_mask
+    from specdec.spec_decode.tree import ancestor_mask
 
     parents = [-1, -1, 0, 0, 1, 2]
     query, kv_cache, meta = make_batch([1 + len(parents), 1], [30 + len(parents), 17], block_size=8, num_kv_heads=2,

@@ -20,7 +20,7 @@ from scipy.stats import chisquare
 from specdec.kernels import load
 from specdec.layers.sampler import SamplingMetadata
 from specdec.sampling_params import SamplingParams
-from specdec.spec.rejection_sampler import rejection_sample
+from specdec.spec_decode.rejection_sampler import rejection_sample
 
 kernels = load("rejection_sampler")
 

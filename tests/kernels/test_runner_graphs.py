@@ -17,7 +17,7 @@ import torch
 from specdec.kernels import load
 from specdec.layers.attention import AttentionBackend
 from specdec.models.loader import load_config, load_model
-from specdec.runtime.model_runner import ModelRunner
+from specdec.worker.model_runner import ModelRunner
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 24
 

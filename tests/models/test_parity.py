@@ -79,7 +79,7 @@ def hf_reference():
 def our_logits(llm: LLM, prompts: list[list[int]], chunk: int | None = None) -> list[torch.Tensor]:
     """Full-prompt logits from the engine's model runner for a ragged batch ([L_i, V] each).
     With ``chunk``, prompts are fed in chunks of that size, one forward per chunk round."""
-    runner = llm.engine.runner
+    runner = llm.engine.executor.driver_worker.runner
     bs = runner.block_size
     tables, start = [], 0
     for ids in prompts:  # disjoint blocks per prompt in the fresh engine
@@ -196,7 +196,7 @@ def test_preemption_gives_the_same_tokens(llama_path, hf_reference):
     _, greedy = hf_reference(llama_path)
     from transformers import AutoConfig
 
-    from specdec.runtime.model_runner import ModelRunner
+    from specdec.worker.model_runner import ModelRunner
 
     block_bytes = ModelRunner.kv_bytes_per_block(AutoConfig.from_pretrained(llama_path), 8, torch.float32)
     # one sequence needs ceil((112 + 1) / 8) = 15 blocks: the minimum the engine accepts
@@ -212,7 +212,7 @@ def test_the_engine_runner_reuses_one_logits_buffer(llama_path):
     """The target runner writes logits into one grown buffer (no fresh [rows, V] float32 tensor
     per step); values equal a runner that allocates, and a larger batch grows the buffer."""
     llm = LLM(model=llama_path, **ENGINE, max_model_len=256)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.driver_worker.runner
     assert runner.reuse_logits
     feeds = [[3, 4, 5, 6], [7, 8, 9]]
     batch = runner.prepare(feeds, [0, 0], [[0], [1]], [list(range(len(f))) for f in feeds])

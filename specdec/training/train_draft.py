@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.spec import draft_corpus as corpus_lib
+from specdec.training import draft_corpus as corpus_lib
 
 SOURCES = ("chat", "stdlib", "shakespeare")
 
@@ -399,7 +399,7 @@ def prepare_run(cfg: TrainDraftConfig):
     output dirs, tokenizer, the bf16 teacher, and phase 1 (the corpus, cached)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdec.runtime.device import resolve_device
+    from specdec.worker.device import resolve_device
 
     device = resolve_device(cfg.device)
     if cfg.num_threads:
@@ -504,7 +504,7 @@ def config_from_args(args) -> TrainDraftConfig:
 def _cmd_train_draft(args) -> int:
     cfg = config_from_args(args)
     if cfg.arch == "eagle":
-        from specdec.spec.train_eagle import train_eagle
+        from specdec.training.train_eagle import train_eagle
 
         report = train_eagle(cfg)
     else:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from specdec.runtime.device import synchronize
+from specdec.worker.device import synchronize
 
 
 def time_forward(runner, num_tokens: int, repeats: int = 2) -> float:

@@ -1,5 +1,5 @@
 """Suffix proposer tests, plus the synthetic code-editing / agentic workloads it is judged
-on. ``python tests/spec/test_suffix.py`` prints the full suffix-vs-ngram table."""
+on. ``python tests/spec_decode/test_suffix.py`` prints the full suffix-vs-ngram table."""
 import importlib
 import inspect
 import random
@@ -8,13 +8,12 @@ import re
 import numpy as np
 import pytest
 
-from specdec.spec.ngram import NgramProposer
-from specdec.spec.suffix import (
+from specdec.bench.proposer_replay import simulate, simulate_acceptance
+from specdec.spec_decode.ngram import NgramProposer
+from specdec.spec_decode.suffix import (
     GlobalTokenStore,
     SuffixProposer,
     draft_from_occurrences,
-    simulate,
-    simulate_acceptance,
 )
 
 TOKEN_RE = re.compile(r"\w+|\s+|[^\w\s]")  # words, whitespace runs, single punctuation
@@ -204,7 +203,7 @@ def test_suffix_beats_prompt_lookup_on_code_editing_and_agentic_workloads():
         agent_without_store.mean_accepted_per_step)  # the template is learnt from earlier requests
 
 
-def main() -> None:  # python tests/spec/test_suffix.py [K]
+def main() -> None:  # python tests/spec_decode/test_suffix.py [K]
     import sys
     import time
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from specdec.models.tiny import make_tiny_model
-from specdec.spec import draft_corpus
-from specdec.spec.train_draft import (FusedHeadTopKRestKL, TrainDraftConfig, config_from_args, distill_loss,
+from specdec.training import draft_corpus
+from specdec.training.train_draft import (FusedHeadTopKRestKL, TrainDraftConfig, config_from_args, distill_loss,
                                       register_cli, simulated_acceptance_length, topk_rest_kl_rows, train_draft)
 
 
@@ -242,7 +242,7 @@ def test_eagle_head_trains_resumes_and_serves(target_dir, tmp_path):
     """--arch eagle: the loss falls, the report has the replayed chain length, a second run of the
     same command is a no-op resume, and the head folder drives the engine losslessly."""
     from specdec import LLM, SamplingParams
-    from specdec.spec.train_eagle import train_eagle
+    from specdec.training.train_eagle import train_eagle
 
     cfg = _config(target_dir, tmp_path, arch="eagle", steps=24, lr=3e-3, unroll=3)
     report = train_eagle(cfg)

@@ -1,13 +1,13 @@
 """Draft-model proposer: a small model with its own paged KV cache drafts K tokens per request.
 
 The draft cache has as many blocks as the target's and uses the same block ids, so the
-target's block table addresses both. ``request.num_draft_computed_tokens`` counts the
+target's block table addresses both. ``state.num_draft_computed_tokens`` counts the
 tokens whose draft KV is valid; after verification it is clipped to the target's
 ``num_computed_tokens`` (positions past it held rejected drafts), and the first pass of the
 next proposal catches up on whatever the draft has not seen (accepted and bonus tokens,
 a prompt, or everything after a preemption) in one ragged forward.
 
-With ``tree_topk`` > 1 the proposal is a token tree (``specdec.spec.tree``), grown as in
+With ``tree_topk`` > 1 the proposal is a token tree (``specdec.spec_decode.tree``), grown as in
 EAGLE-2: the first pass's top-k tokens are the root's children; each further pass feeds the
 ``tree_topk`` nodes of the newest depth with the highest path score (the sum of the draft's
 log-probabilities along the path), all requests in one forward, each node attending to the
@@ -24,11 +24,11 @@ from functools import cached_property
 
 import torch
 
-from specdec.engine.kv_cache_manager import KVCacheManager
-from specdec.engine.request import Request
 from specdec.layers.sampler import SamplingMetadata, processed_probs, sample_from_probs
-from specdec.runtime.model_runner import ModelRunner
-from specdec.spec.proposer import DraftProposal, Proposer
+from specdec.spec_decode.plan import TreeBudget
+from specdec.spec_decode.proposer import DraftProposal, Proposer
+from specdec.worker.model_runner import ModelRunner
+from specdec.worker.request_state import CachedRequestState
 
 
 class DraftModelProposer(Proposer):
@@ -36,29 +36,27 @@ class DraftModelProposer(Proposer):
     has_draft_model = True
     row_shift = 0  # draft s is fed at position num_tokens + s - 1 + row_shift (EAGLE: one earlier)
 
-    def __init__(self, runner: ModelRunner, kv: KVCacheManager, target_vocab_size: int,
+    def __init__(self, runner: ModelRunner, target_vocab_size: int,
                  tree_topk: int = 1, tree_depth: int = 0, tree_nodes: int = 0):
         self.runner = runner
-        self.kv = kv
         self.vocab_size = target_vocab_size
         self.tree_topk = tree_topk
         self.tree_depth = tree_depth
         self.tree_nodes = tree_nodes
-        # adaptive trees: (per request the nodes' gains, best first; seconds spent drafting) -> nodes
-        # to verify per request (``SpecController.choose_tree_nodes``); None: ``tree_nodes`` each
-        self.choose_nodes = None
 
-    def _logits(self, batch) -> torch.Tensor:  # [N, target vocab]
-        logits = self.runner.forward(batch)
+    def _forward(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [N, target vocab], the pass's hidden states [T, H])."""
+        logits, hidden = self.runner.forward_with_hidden(batch)
         v = logits.shape[-1]
         if v > self.vocab_size:  # draft vocab padded beyond the target's
-            return logits[:, : self.vocab_size]
+            return logits[:, : self.vocab_size], hidden
         if v < self.vocab_size:
             pad = logits.new_full((logits.shape[0], self.vocab_size - v), float("-inf"))
-            return torch.cat([logits, pad], dim=1)
-        return logits
+            return torch.cat([logits, pad], dim=1), hidden
+        return logits, hidden
 
-    def propose(self, requests: list[Request], num_spec: list[int]) -> DraftProposal:
+    def propose(self, requests: list[CachedRequestState], num_spec: list[int],
+                tree_budget: TreeBudget | None = None) -> DraftProposal:
         active = [i for i, k in enumerate(num_spec) if k > 0]
         drafts: list[list[int]] = [[] for _ in requests]
         if not active:
@@ -66,20 +64,22 @@ class DraftModelProposer(Proposer):
         reqs = [requests[i] for i in active]
         ks = [num_spec[i] for i in active]
         if self.tree_topk > 1:
-            return self._propose_tree(requests, active, ks)
+            return self._propose_tree(requests, active, ks, tree_budget)
         meta = SamplingMetadata.from_params(
             [r.sampling_params for r in reqs], [r.generator for r in reqs], self.runner.device
         )
-        block_tables = [self.kv.get_block_ids(r.request_id) for r in reqs]
+        block_tables = [r.block_ids for r in reqs]
         batch = self._first_batch(reqs, block_tables)
         probs_per_pass, tokens_per_pass = [], []
         rows = list(range(len(reqs)))  # which requests are still drafting
+        predicted = None  # [len(rows), H] hidden states of the last pass's drafting rows
         for step in range(max(ks)):
             if step > 0:
                 prev_rows, rows = rows, [j for j in rows if ks[j] > step]
                 batch = self._next_batch(reqs, rows, prev_rows, [tokens_per_pass[-1][j] for j in rows], step,
-                                         block_tables)
-            logits = self._logits(batch)  # [len(rows), V]
+                                         block_tables, predicted)
+            logits, hidden = self._forward(batch)  # [len(rows), V]
+            predicted = self._pass_hidden(batch, hidden)
             sub = meta if len(rows) == len(reqs) else meta.expand([int(j in rows) for j in range(len(reqs))])
             if sub.all_greedy:
                 q, tok = None, logits.argmax(dim=-1)
@@ -100,22 +100,23 @@ class DraftModelProposer(Proposer):
         return DraftProposal(drafts, self._flat_probs(probs_per_pass, ks, active, len(requests), meta))
 
     # ---- token trees ----
-    def _propose_tree(self, requests: list[Request], active: list[int], slots: list[int]) -> DraftProposal:
+    def _propose_tree(self, requests: list[CachedRequestState], active: list[int], slots: list[int],
+                      tree_budget: TreeBudget | None) -> DraftProposal:
         """Per active request a tree of at most ``tree_nodes`` (and ``slots``) nodes, depth at most
         ``tree_depth`` and the tokens the request may still emit."""
         started = time.perf_counter()
         reqs = [requests[i] for i in active]
-        block_tables = [self.kv.get_block_ids(r.request_id) for r in reqs]
+        block_tables = [r.block_ids for r in reqs]
         topk = self.tree_topk
         batch = self._first_batch(reqs, block_tables)
-        logits = self._logits(batch)
-        hidden = self._pass_hidden(batch)
+        logits, hidden = self._forward(batch)
+        hidden = self._pass_hidden(batch, hidden)
         # per request: node tokens, parents, depths, scores; the node fed at each draft slot
         trees = [_GrowingTree() for _ in reqs]
         bases = [r.num_tokens + self.row_shift for r in reqs]  # position (and first slot) of depth-1 nodes
         room = [r.num_tokens + s - b for r, s, b in zip(reqs, slots, bases)]  # draft slots from base on
         # slots <= the tokens the request may still emit (the scheduler's cap), so depth is too
-        depth_cap = [max(1, min(r.spec_depth_wanted or self.tree_depth, self.tree_depth, s)) for r, s in zip(reqs, slots)]
+        depth_cap = [max(1, min(r.spec_depth or self.tree_depth, self.tree_depth, s)) for r, s in zip(reqs, slots)]
         max_depth = max(depth_cap)
         parent_rows = [(j, -1) for j in range(len(reqs))]  # (request, node) behind each row of the last pass
         for depth in range(1, max_depth + 1):
@@ -144,16 +145,16 @@ class DraftModelProposer(Proposer):
                 break
             batch = self.runner.prepare(feeds, starts, tables, [list(range(len(f))) for f in feeds], positions, masks)
             self._tree_features(batch, hidden, rows)
-            logits = self._logits(batch)
-            hidden = self._pass_hidden(batch)
+            logits, hidden = self._forward(batch)
+            hidden = self._pass_hidden(batch, hidden)
             for row, (j, n) in enumerate(parent_rows):
                 trees[j].row_of[n] = row
         self._finish_tree(reqs)
         limits = [min(self.tree_nodes, s) for s in slots]
         expected = None
-        if self.choose_nodes is not None:
+        if tree_budget is not None:
             gains = [t.gains(limit) for t, limit in zip(trees, limits)]
-            limits = self.choose_nodes(gains, time.perf_counter() - started)
+            limits = tree_budget.choose_num_nodes(gains, time.perf_counter() - started)
             expected = sum(sum(g[:n]) for g, n in zip(gains, limits))
         drafts: list[list[int]] = [[] for _ in requests]
         parents: list[list[int]] = [[] for _ in requests]
@@ -161,30 +162,31 @@ class DraftModelProposer(Proposer):
             drafts[i], parents[i] = t.select(limit)
         return DraftProposal(drafts, None, parents, expected)
 
-    def _pass_hidden(self, batch) -> torch.Tensor | None:
-        """What the next tree pass needs from this one's rows (EAGLE: predicted features)."""
+    def _pass_hidden(self, batch, hidden: torch.Tensor | None) -> torch.Tensor | None:
+        """What the next pass needs from this one's drafting rows (EAGLE: predicted features)."""
         return None
 
     def _tree_features(self, batch, hidden: torch.Tensor | None, rows: list[int]) -> None:
         """Attach to a tree pass whatever its nodes read from their parents' rows of the last pass."""
 
-    def _finish_tree(self, reqs: list[Request]) -> None:
+    def _finish_tree(self, reqs: list[CachedRequestState]) -> None:
         for r in reqs:  # the first pass caught up on every real token; past them the draft KV is scratch
             r.num_draft_computed_tokens = r.num_tokens + self.row_shift
 
-    # ---- the passes (the EAGLE proposer overrides these three) ----
-    def _first_batch(self, reqs: list[Request], block_tables):
+    # ---- the passes (the EAGLE proposer overrides these) ----
+    def _first_batch(self, reqs: list[CachedRequestState], block_tables):
         """Catch up on unseen tokens; the last row drafts the first token."""
         starts = [min(r.num_draft_computed_tokens, r.num_computed_tokens) for r in reqs]
         feeds = [r.all_token_ids[s:] for r, s in zip(reqs, starts)]
         return self.runner.prepare(feeds, starts, block_tables, [[len(f) - 1] for f in feeds])
 
-    def _next_batch(self, reqs, rows, prev_rows, tokens, step: int, block_tables):
-        """Feed draft ``step`` (at position num_tokens + step - 1 + row_shift) for the requests in ``rows``."""
+    def _next_batch(self, reqs, rows, prev_rows, tokens, step: int, block_tables, predicted=None):
+        """Feed draft ``step`` (at position num_tokens + step - 1 + row_shift) for the requests in
+        ``rows`` (``prev_rows`` drafted in the last pass; ``predicted``: that pass's ``_pass_hidden``)."""
         return self.runner.prepare([[t] for t in tokens], [reqs[j].num_tokens + step - 1 + self.row_shift for j in rows],
                                    [block_tables[j] for j in rows], [[0]] * len(rows))
 
-    def _finish(self, reqs: list[Request], ks: list[int]) -> None:
+    def _finish(self, reqs: list[CachedRequestState], ks: list[int]) -> None:
         for r, k in zip(reqs, ks):
             # draft KV now covers the real tokens and drafts d1..d_{k-1}
             r.num_draft_computed_tokens = r.num_tokens + k - 1

@@ -29,12 +29,9 @@ and only the longest pattern is scored rather than every pattern length.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import numpy as np
 
-from specdec.spec.ngram import (
+from specdec.spec_decode.ngram import (
     TokenArrayCache,
     common_suffix_lengths,
     earlier_match_ends,
@@ -264,47 +261,3 @@ class SuffixProposer:
         if len(token_ids) > num_prompt and self.store.max_tokens > 0:
             start = max(0, num_prompt - self.store_prompt_tail)
             self.store.add(np.asarray(token_ids[start:], dtype=np.int64))
-
-
-@dataclass(slots=True)
-class SimulationStats:
-    num_steps: int = 0
-    num_proposed_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-    @property
-    def mean_accepted_per_step(self) -> float:
-        return self.num_accepted_tokens / max(self.num_steps, 1)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / max(self.num_proposed_tokens, 1)
-
-
-def simulate(proposer, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: int) -> SimulationStats:
-    """Teacher-forced replay of (prompt, output) pairs, in order, through ``proposer``: at
-    each step propose ``k`` tokens for prompt + output[:t], accept the prefix that equals
-    output[t:], advance t by accepted + 1 (the target's own token). Each request is then
-    reported finished so stores can learn. Deterministic."""
-    stats = SimulationStats()
-    for index, (prompt, output) in enumerate(sequences):
-        request_id = f"simulated-{index}"
-        full = np.asarray(list(prompt) + list(output), dtype=np.int64)
-        num_prompt, num_output = len(prompt), len(output)
-        t = 0
-        while t < num_output:
-            draft = proposer.propose([full[: num_prompt + t]], [k], [request_id])[0]
-            truth = full[num_prompt + t : num_prompt + t + len(draft)]
-            mismatch = np.flatnonzero(np.asarray(draft[: truth.shape[0]], dtype=np.int64) != truth)
-            num_accepted = int(mismatch[0]) if mismatch.size else truth.shape[0]
-            stats.num_steps += 1
-            stats.num_proposed_tokens += len(draft)
-            stats.num_accepted_tokens += num_accepted
-            t += num_accepted + 1
-        proposer.on_request_finished(request_id, full.tolist(), num_prompt_tokens=num_prompt)
-    return stats
-
-
-def simulate_acceptance(proposer, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: int) -> float:
-    """Mean accepted draft tokens per step (tokens per step = this + 1); see ``simulate``."""
-    return simulate(proposer, sequences, k).mean_accepted_per_step

@@ -9,8 +9,8 @@ from scipy.stats import chisquare
 
 from specdec.layers.sampler import SamplingMetadata, processed_probs
 from specdec.sampling_params import SamplingParams
-from specdec.spec import rejection_sampler
-from specdec.spec.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
+from specdec.spec_decode import rejection_sampler
+from specdec.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
 
 ALPHA = 1e-3  # significance level of every statistical assertion below
 NUM_DRAWS = 200_000  # requests per statistical run, one rejection_sample call each

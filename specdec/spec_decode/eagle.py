@@ -1,6 +1,6 @@
 """EAGLE proposer: the draft-model loop, fed the target's hidden states (``models/eagle.py``).
 
-Head row p reads (f_p, token p + 1). After each target step the engine hands over the hidden
+Head row p reads (f_p, token p + 1). After each target step the worker hands over the hidden
 states of the rows the target kept (``observe_target``); a proposal's first pass catches the
 head up on those real features (positions [head_computed, num_computed_tokens)), its last row
 predicting f at the newest token's position and so draft 1; pass s feeds (predicted f, draft s)
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.engine.request import Request
-from specdec.spec.draft_model import DraftModelProposer
+from specdec.spec_decode.draft_model import DraftModelProposer
+from specdec.worker.request_state import CachedRequestState
 
 
 class EagleProposer(DraftModelProposer):
@@ -22,22 +22,19 @@ class EagleProposer(DraftModelProposer):
     needs_target_hidden = True
     row_shift = -1  # head row p holds (f_p, token p + 1): draft s sits at num_computed_tokens + s - 1
 
-    def __init__(self, runner, kv, target_vocab_size: int, **tree):
-        super().__init__(runner, kv, target_vocab_size, **tree)
+    def __init__(self, runner, target_vocab_size: int, **tree):
+        super().__init__(runner, target_vocab_size, **tree)
         self.features: dict[str, tuple[int, list[torch.Tensor]]] = {}  # request -> (first position, rows)
-        self._prev_batch = None
 
     # ---- features from the target ----
-    def observe_target(self, requests: list[Request], starts: list[int], offsets: list[int],
-                       hidden: torch.Tensor | None) -> None:
-        """hidden [T, H]: the target's final hidden states of a step whose request i fed rows
-        offsets[i]... from position starts[i]; rows past what the target kept are dropped."""
+    def observe_target(self, requests: list[CachedRequestState], starts: list[int], offsets: list[int],
+                       num_kept: list[int], hidden: torch.Tensor) -> None:
+        """Store the kept rows' features per request; rows past what the target kept are dropped."""
         if hidden is None:
             raise RuntimeError("the EAGLE proposer needs the target's hidden states (run the target eagerly)")
-        for req, start, off in zip(requests, starts, offsets):
-            if req.is_finished or not req.sampling_params.use_speculation:
+        for req, start, off, kept in zip(requests, starts, offsets, num_kept):
+            if not req.sampling_params.use_speculation:
                 continue
-            kept = req.num_computed_tokens - start
             if kept <= 0:
                 continue
             rows = hidden[off:off + kept].clone()
@@ -50,14 +47,14 @@ class EagleProposer(DraftModelProposer):
                 req.num_draft_computed_tokens = min(req.num_draft_computed_tokens, start)
             self.features[req.request_id] = (first, chunks)
 
-    def on_request_finished(self, request: Request) -> None:
+    def on_request_finished(self, request: CachedRequestState) -> None:
         self.features.pop(request.request_id, None)
 
     def reset_history(self) -> None:
         self.features.clear()
 
     # ---- the passes ----
-    def _first_batch(self, reqs: list[Request], block_tables):
+    def _first_batch(self, reqs: list[CachedRequestState], block_tables):
         feeds, starts, feats = [], [], []
         for r in reqs:
             c = r.num_computed_tokens
@@ -78,33 +75,25 @@ class EagleProposer(DraftModelProposer):
             feats.append(stored[hc - first:c - first])
         batch = self.runner.prepare(feeds, starts, block_tables, [[len(f) - 1] for f in feeds])
         batch.features = torch.cat(feats).to(self.runner.dtype)
-        self._prev_batch = batch
         return batch
 
-    def _next_batch(self, reqs, rows, prev_rows, tokens, step: int, block_tables):
-        predicted = self.runner.last_hidden[self._prev_batch.logits_indices]  # [len(prev_rows), H]
+    def _next_batch(self, reqs, rows, prev_rows, tokens, step: int, block_tables, predicted=None):
         if len(rows) != len(prev_rows):  # rows only ever drop out, so they stay in order
             slot = {j: i for i, j in enumerate(prev_rows)}
             predicted = predicted.index_select(0, torch.tensor([slot[j] for j in rows], device=predicted.device))
         batch = super()._next_batch(reqs, rows, prev_rows, tokens, step, block_tables)
         batch.features = predicted
-        self._prev_batch = batch
         return batch
 
-    def _pass_hidden(self, batch) -> torch.Tensor:
-        return self.runner.last_hidden[batch.logits_indices]  # the features each row predicts
+    def _pass_hidden(self, batch, hidden: torch.Tensor | None) -> torch.Tensor:
+        return hidden[batch.logits_indices]  # [rows, H] the features each drafting row predicts
 
     def _tree_features(self, batch, hidden: torch.Tensor, rows: list[int]) -> None:
         batch.features = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
 
-    def _finish_tree(self, reqs: list[Request]) -> None:
-        super()._finish_tree(reqs)
-        self._prev_batch = None
-
-    def _finish(self, reqs: list[Request], ks: list[int]) -> None:
+    def _finish(self, reqs: list[CachedRequestState], ks: list[int]) -> None:
         for r in reqs:
             r.num_draft_computed_tokens = r.num_computed_tokens
-        self._prev_batch = None
 
     def _hidden_size(self) -> int:
         return self.runner.model.config.hidden_size

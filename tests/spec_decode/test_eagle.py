@@ -10,7 +10,7 @@ from specdec import LLM, SamplingParams
 from specdec.layers.attention import TORCH_BACKEND
 from specdec.models.eagle import dense_forward, init_head, load_head, save_head
 from specdec.models.loader import load_model
-from specdec.runtime.model_runner import ModelRunner
+from specdec.worker.model_runner import ModelRunner
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=128)
 
@@ -44,8 +44,7 @@ def test_paged_head_matches_dense_reference(target, head_path):
     for lo, hi in [(0, 13), (13, 14), (14, 21)]:  # a prompt, one decode row, a catch-up run
         batch = runner.prepare([ids[0, lo:hi].tolist()], [lo], [table], [list(range(hi - lo))])
         batch.features = feats[0, lo:hi]
-        runner.forward(batch)
-        got.append(runner.last_hidden)
+        got.append(runner.forward_with_hidden(batch)[1])
     torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
 
 
@@ -53,7 +52,7 @@ def test_paged_head_over_a_token_tree_matches_dense_paths(target, head_path):
     """A tree pass of the head (nodes at their depth's position, in their own slots, each
     seeing the context and its ancestors) gives every node the hidden state the dense head
     computes over the context followed by the node's path."""
-    from specdec.spec import tree
+    from specdec.spec_decode import tree
 
     head = load_head(head_path, target, torch.float32, torch.device("cpu"), TORCH_BACKEND)
     torch.manual_seed(0)
@@ -75,8 +74,7 @@ def test_paged_head_over_a_token_tree_matches_dense_paths(target, head_path):
         batch = runner.prepare([[node_ids[n] for n in nodes]], [ctx + fed_before], [table], [list(range(len(nodes)))],
                                [[ctx + depth - 1] * len(nodes)], [(ctx, mask)])
         batch.features = feats[[ctx + n for n in nodes]]
-        runner.forward(batch)
-        got.update(zip(nodes, runner.last_hidden))
+        got.update(zip(nodes, runner.forward_with_hidden(batch)[1]))
     for n in range(len(parents)):
         path = tree.path_to(parents, n)
         want = dense_forward(head, torch.tensor([ids + [node_ids[a] for a in path]]),
@@ -95,7 +93,7 @@ def test_roundtrip_and_bad_folder(target, head_path, llama_path):
 
 def reference_drafts(hf, head, tokens: list[int], num_computed: int, k: int) -> list[int]:
     """Greedy drafts from the dense head (``dense_chain``) fed the target's (transformers') hidden states."""
-    from specdec.spec.train_eagle import dense_chain
+    from specdec.training.train_eagle import dense_chain
 
     with torch.no_grad():
         feats = hf.model(torch.tensor([tokens[:num_computed]])).last_hidden_state[0]  # f_0 .. f_{c-1}
@@ -107,13 +105,13 @@ def test_engine_drafts_equal_dense_head_on_target_features(llama_path, head_path
 
     llm = LLM(model=llama_path, **ENGINE, speculative_config={"method": "eagle", "model": head_path,
                                                               "num_speculative_tokens": 3})
-    proposer = llm.engine.proposer
+    proposer = llm.engine.executor.driver_worker.proposer
     seen = []
     inner = proposer.propose
 
-    def recording(requests, num_spec):
+    def recording(requests, num_spec, tree_budget=None):
         snapshot = [(list(r.all_token_ids), r.num_computed_tokens, k) for r, k in zip(requests, num_spec)]
-        proposal = inner(requests, num_spec)
+        proposal = inner(requests, num_spec, tree_budget)
         seen.extend((toks, c, k, d) for (toks, c, k), d in zip(snapshot, proposal.draft_token_ids) if k)
         return proposal
 
@@ -140,7 +138,7 @@ def test_greedy_identical_with_eagle_in_mixed_batches(llama_path, head_path, pro
         if i % 3:
             assert o.outputs[0].token_ids == w, f"prompt {i} diverged"
     assert llm.get_metrics()["num_draft_tokens"] > 0
-    assert not llm.engine.proposer.features  # finished requests leave no features behind
+    assert not llm.engine.executor.driver_worker.proposer.features  # finished requests leave no features behind
     engine = llm.engine
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 
@@ -155,8 +153,8 @@ def test_draft_vocabulary_restricts_drafts_and_stays_lossless(llama_path, target
     llm = LLM(model=llama_path, **ENGINE, speculative_config={"method": "eagle", "model": str(tmp_path / "head"),
                                                               "num_speculative_tokens": 3})
     proposals = []
-    inner = llm.engine.proposer.propose
-    llm.engine.proposer.propose = lambda r, k: proposals.append(inner(r, k)) or proposals[-1]
+    inner = llm.engine.executor.driver_worker.proposer.propose
+    llm.engine.executor.driver_worker.proposer.propose = lambda r, k, b=None: proposals.append(inner(r, k, b)) or proposals[-1]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in LLM(model=llama_path, **ENGINE).generate(prompts[:4], params, use_tqdm=False)]
@@ -172,22 +170,22 @@ def test_eagle_tree_nodes_are_the_dense_heads_top_candidates_and_greedy_stays_id
     node's ancestors; greedy output equals plain decoding."""
     from transformers import AutoModelForCausalLM
 
-    from specdec.spec import tree
+    from specdec.spec_decode import tree
 
     topk = 3
     llm = LLM(model=llama_path, **ENGINE, speculative_config={
         "method": "eagle", "model": head_path, "num_speculative_tokens": 3, "tree_topk": topk, "tree_nodes": 8})
     seen = []
-    inner = llm.engine.proposer.propose
+    inner = llm.engine.executor.driver_worker.proposer.propose
 
-    def recording(requests, num_spec):
+    def recording(requests, num_spec, tree_budget=None):
         snapshot = [(list(r.all_token_ids), r.num_computed_tokens) for r in requests]
-        proposal = inner(requests, num_spec)
+        proposal = inner(requests, num_spec, tree_budget)
         seen.extend((t, c, d, p) for (t, c), d, p in zip(snapshot, proposal.draft_token_ids, proposal.draft_parents)
                     if d)
         return proposal
 
-    llm.engine.proposer.propose = recording
+    llm.engine.executor.driver_worker.proposer.propose = recording
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in LLM(model=llama_path, **ENGINE).generate(prompts[:4], params, use_tqdm=False)]

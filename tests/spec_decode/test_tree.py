@@ -14,7 +14,7 @@ from specdec import LLM, SamplingParams
 from specdec.config import SpeculativeConfig
 from specdec.layers.attention import AttentionMetadata, paged_attention_reference, paged_attention_torch
 from specdec.layers.sampler import SamplingMetadata
-from specdec.spec import tree
+from specdec.spec_decode import tree
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=128)
 #        0   1   2   3   4   5
@@ -210,15 +210,15 @@ def test_tree_nodes_are_the_draft_models_own_top_candidates(llama_path, noisy_dr
     topk = 3
     llm = tree_llm(llama_path, noisy_draft_path, 3, topk, 9)
     seen = []
-    inner = llm.engine.proposer.propose
+    inner = llm.engine.executor.driver_worker.proposer.propose
 
-    def recording(requests, num_spec):
+    def recording(requests, num_spec, tree_budget=None):
         before = [list(r.all_token_ids) for r in requests]
-        proposal = inner(requests, num_spec)
+        proposal = inner(requests, num_spec, tree_budget)
         seen.extend((b, d, p) for b, d, p in zip(before, proposal.draft_token_ids, proposal.draft_parents) if d)
         return proposal
 
-    llm.engine.proposer.propose = recording
+    llm.engine.executor.driver_worker.proposer.propose = recording
     llm.generate(prompts[:3], greedy(12), use_tqdm=False)
     assert len(seen) >= 6
     hf = AutoModelForCausalLM.from_pretrained(noisy_draft_path, dtype=torch.float32).eval()
@@ -253,15 +253,15 @@ def test_adaptive_trees_stay_greedy_identical_and_size_themselves(llama_path, no
                                           0.02 + 0.0005 * np.asarray(n, dtype=float) if kind == "target" else 0.001, 0.0)
     cost.observe = lambda *args: None
     sizes = []
-    inner = llm.engine.proposer.propose
+    inner = llm.engine.executor.driver_worker.proposer.propose
 
-    def recording(requests, num_spec):
-        proposal = inner(requests, num_spec)
+    def recording(requests, num_spec, tree_budget=None):
+        proposal = inner(requests, num_spec, tree_budget)
         sizes.extend(len(d) for d, k in zip(proposal.draft_token_ids, num_spec) if k)
         assert proposal.expected_accepted is not None
         return proposal
 
-    llm.engine.proposer.propose = recording
+    llm.engine.executor.driver_worker.proposer.propose = recording
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in prompts]
     assert sizes and max(sizes) <= 12 and len(set(sizes)) > 1

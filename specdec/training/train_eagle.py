@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.models.eagle import dense_forward, init_head, save_head
-from specdec.spec.train_draft import (
+from specdec.training.train_draft import (
     FusedHeadTopKRestKL, _save_atomic, fingerprint, prepare_run, train,
 )
 

@@ -1,7 +1,25 @@
 """SpecController: "auto" K from the cost model, acceptance estimates, the guard and the queue."""
 from specdec.engine.request import Request
+from specdec.engine.scheduler_output import SchedulerOutput
+from specdec.engine.step_record import StepRecord
 from specdec.sampling_params import SamplingParams
-from specdec.spec.controller import SpecController
+from specdec.spec_decode.controller import SpecController
+from specdec.worker.model_runner_output import ModelRunnerOutput
+
+
+def record(ids, num_drafted, num_accepted, num_scheduled=None, target_seconds=0.01, step_seconds=0.02) -> StepRecord:
+    """A committed step in which request ids[i] verified num_drafted[i] chain drafts, accepting num_accepted[i]."""
+    n = len(ids)
+    sched = SchedulerOutput(list(ids), [0] * n, num_scheduled or [1] * n, list(num_drafted), [0] * n, [1] * n,
+                            [[] for _ in ids])
+    result = ModelRunnerOutput(list(ids), [[0] * (a + 1) for a in num_accepted], list(num_drafted),
+                               list(num_accepted), list(num_drafted), [None] * n, target_seconds=target_seconds)
+    return StepRecord(sched, result, [a + 1 for a in num_accepted], step_seconds)
+
+
+def ks(ctl, running, closed_batch=False) -> list[int]:
+    plan = ctl.plan(running, closed_batch)
+    return [plan.num_spec_tokens.get(r.request_id, 0) for r in running]
 
 
 def decoding(rid: str, max_tokens: int, generated: int) -> Request:
@@ -18,19 +36,19 @@ def controller(max_model_len=None) -> SpecController:
         ctl.cost.set("target", n, 0.05 + 0.004 * n)  # verification rows cost something
     for rid in ("lead", "lag"):
         for _ in range(20):
-            ctl.observe_acceptance(decoding(rid, 10, 0), 4, 3)  # acceptance ~0.75
+            ctl.acceptance.update(rid, 4, 3)  # acceptance ~0.75
     return ctl
 
 
 def test_a_closed_batch_keeps_drafts_for_the_request_that_ends_it():
     lead, lag = decoding("lead", 256, 240), decoding("lag", 256, 40)  # 16 vs 216 tokens to go
     ctl = controller()
-    ks = [ctl.num_tokens_for(r, [lead, lag], closed_batch=True) for r in (lead, lag)]
-    assert ks[0] == 0 and ks[1] > 0
+    k = ks(ctl, [lead, lag], closed_batch=True)
+    assert k[0] == 0 and k[1] > 0
     # open to new requests (a server, or a queue waiting): finishing the leader early frees a slot
     ctl = controller()
-    ks = [ctl.num_tokens_for(r, [lead, lag], closed_batch=False) for r in (lead, lag)]
-    assert ks[0] > 0 and ks[1] > 0
+    k = ks(ctl, [lead, lag], closed_batch=False)
+    assert k[0] > 0 and k[1] > 0
 
 
 def test_remaining_budget_is_capped_by_the_context():
@@ -42,9 +60,9 @@ def test_remaining_budget_is_capped_by_the_context():
 def test_equal_budgets_plan_as_before():
     a, b = decoding("lead", 256, 40), decoding("lag", 256, 40)
     ctl = controller()
-    alone = [ctl.num_tokens_for(r, [a, b], closed_batch=True) for r in (a, b)]
+    alone = ks(ctl, [a, b], closed_batch=True)
     ctl = controller()
-    queued = [ctl.num_tokens_for(r, [a, b], closed_batch=False) for r in (a, b)]
+    queued = ks(ctl, [a, b], closed_batch=False)
     assert alone == queued and alone[0] > 0
 
 
@@ -57,29 +75,33 @@ def test_a_plan_that_drafts_nothing_is_reused_a_few_steps_until_acceptance_chang
     original = ctl.acceptance.position_acceptances
     ctl.acceptance.position_acceptances = lambda ids: calls.append(ids) or original(ids)
     for _ in range(6):
-        assert ctl.num_tokens_for(a, [a, b]) == 0
-        ctl._plan = {}  # what observe_step does after each step
+        assert ks(ctl, [a, b]) == [0, 0]
     assert len(calls) == 2  # planned, reused 4 times, planned again
     for _ in range(26):  # each plan that again drafts nothing doubles the reuse: 4, 8, 16 (cap 32)
-        assert ctl.num_tokens_for(a, [a, b]) == 0
-        ctl._plan = {}
+        assert ks(ctl, [a, b]) == [0, 0]
     assert len(calls) == 4  # steps 0, 5, 14, 31
-    ctl.observe_acceptance(a, 2, 2)  # new evidence: plan afresh, and every 5th step again
+    ctl.observe(record(["lead"], [2], [2]))  # new evidence: plan afresh, and every 5th step again
     for _ in range(6):
-        ctl.num_tokens_for(a, [a, b])
-        ctl._plan = {}
+        ks(ctl, [a, b])
     assert len(calls) == 6
 
 
 def test_the_cost_model_is_fed_the_rows_the_target_ran_not_the_slots_reserved():
-    from specdec.engine.scheduler import SchedulerOutput
-    from specdec.spec.proposer import DraftProposal
-
-    reqs = [decoding(f"r{i}", 256, 10) for i in range(4)]
     ctl = controller()
     seen = []
     ctl.cost.observe = lambda kind, num_tokens, seconds: seen.append((kind, num_tokens))
     # K = 4 reserved for each of 4 requests (20 rows), but the proposer found drafts for one only
-    sched = SchedulerOutput(reqs, [1] * 4, [4] * 4)
-    ctl.observe_step(sched, DraftProposal([[5, 6], [], [], []], None), 0.0, 0.01)
+    step = record([f"r{i}" for i in range(4)], [2, 0, 0, 0], [1, 0, 0, 0])
+    step.scheduled.num_spec_slots = [4] * 4
+    ctl.observe(step)
     assert seen == [("target", 6)]
+
+
+def test_observe_updates_acceptance_from_the_step_record():
+    ctl = controller()
+    before = ctl.acceptance.acceptance("fresh")
+    for _ in range(10):
+        ctl.observe(record(["fresh", "other"], [4, 0], [0, 0]))  # fresh rejects every draft; other drafted nothing
+    assert ctl.acceptance.acceptance("fresh") < before
+    # a request that drafted nothing learnt nothing of its own: it reads the pooled prior, as an unseen one does
+    assert ctl.acceptance.acceptance("other") == ctl.acceptance.acceptance("never-seen")

@@ -13,7 +13,7 @@ from transformers import AutoConfig
 
 from specdec import LLM, SamplingParams
 from specdec.config import SpeculativeConfig
-from specdec.runtime.model_runner import ModelRunner
+from specdec.worker.model_runner import ModelRunner
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=128)
 MAX_TOKENS = 24

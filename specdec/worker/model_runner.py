@@ -28,7 +28,8 @@ class ForwardBatch:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
+                 reuse_logits: bool = False):
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -38,13 +39,10 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.layers]
         self.graphs: dict[int, object] = {}  # rows per request q -> GraphRunner (enable_graphs)
         self.graph_max_blocks = 0
-        self.last_hidden: torch.Tensor | None = None  # [T, H] of the last eager forward (EAGLE reads it)
-        # The target's runner (one forward per step, its logits dead by the next) writes float32
-        # logits into one grow-only buffer: a fresh [rows, V] float32 tensor per step cost 17 ms of
-        # a 68 ms batch-32 verification step (104 rows x 49,152 = 20 MB, page-faulted anew each time
-        # the allocator had handed it back to the OS) against 0.5 ms for the 32 rows of a plain step.
-        # Off for runners whose caller keeps logits across forwards (the draft model's K passes).
-        self.reuse_logits = False
+        # True for a runner whose logits are dead by its next forward (the target's: one per step):
+        # they go to one grow-only float32 buffer instead of a fresh, page-faulted tensor each step.
+        # Off where a caller keeps logits across forwards (the draft model's K passes).
+        self.reuse_logits = reuse_logits
         self._logits_buf: torch.Tensor | None = None  # [rows, V] float32
 
     @staticmethod
@@ -92,27 +90,30 @@ class ModelRunner:
         )
         return ForwardBatch(t(flat_ids), t(positions), attn, t(logits_idx))
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [N, V] float32
-        """Logits of the batch's ``logits_indices`` rows. With ``reuse_logits`` (the engine's target
+        """Logits of the batch's ``logits_indices`` rows. With ``reuse_logits`` (the worker's target
         runner) they live in a buffer the next forward overwrites: clone what must outlive it."""
+        return self.forward_with_hidden(batch)[0]
+
+    @torch.inference_mode()
+    def forward_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [N, V] float32 as ``forward``, final hidden states [T, H] of every fed row);
+        a replayed graph returns logits only (hidden None: EAGLE runs its target eagerly)."""
         graph = self._graph_for(batch)
         if graph is not None:
             meta = batch.attn
             logits = graph.run(meta.num_reqs, num_output_rows=len(batch.input_ids), input_ids=batch.input_ids,
                                positions=batch.positions, slot_mapping=meta.slot_mapping, seq_lens=meta.seq_lens,
                                block_tables=meta.block_tables)
-            self.last_hidden = None  # graphs return logits only (EAGLE runs its target eagerly)
-            return logits[batch.logits_indices]  # a copy: the graph's buffer is reused by the next replay
+            return logits[batch.logits_indices], None  # a copy: the graph's buffer is reused by the next replay
         if batch.features is None:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, features=batch.features)
-        self.last_hidden = hidden
         rows = hidden[batch.logits_indices]
         if not self.reuse_logits:
-            return self.model.compute_logits(rows)
-        return self.model.compute_logits(rows, out=self._logits_out(rows.shape[0]))
+            return self.model.compute_logits(rows), hidden
+        return self.model.compute_logits(rows, out=self._logits_out(rows.shape[0])), hidden
 
     @torch.inference_mode()
     def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:

@@ -4,7 +4,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from specdec.outputs import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from specdec.engine.step_record import StepRecord
 
 
 @dataclass
@@ -39,6 +44,19 @@ class SpecDecodeMetrics:
             self.num_drafted_per_pos[pos] += 1
             if pos < num_accepted:
                 self.num_accepted_per_pos[pos] += 1
+
+    def observe_step(self, record: StepRecord) -> None:
+        """A committed step: every verification after a request's first token, and the timings."""
+        sched, result = record.scheduled, record.result
+        for i, tokens in enumerate(result.sampled_token_ids):
+            if tokens and sched.num_output_tokens[i]:  # a decode/verify step, not a prompt's first token
+                self.observe(result.num_draft_tokens[i], result.num_accepted_tokens[i],
+                             result.num_draft_positions[i])
+        self.num_emitted_tokens += record.total_emitted_tokens
+        self.num_steps += 1
+        self.time_drafting += result.draft_seconds
+        self.time_target += result.target_seconds
+        self.time_sampling += result.sampling_seconds
 
     @property
     def stats(self) -> SpecDecodeStats:

@@ -7,14 +7,15 @@ from functools import cached_property
 
 import torch
 
-from specdec.engine.request import Request
+from specdec.spec_decode.plan import TreeBudget
+from specdec.worker.request_state import CachedRequestState
 
 
 @dataclass
 class DraftProposal:
     draft_token_ids: list[list[int]]  # per request of the batch; [] where nothing is proposed
     draft_probs: torch.Tensor | None  # [num_draft_total, V] q each token was sampled from; None => one-hot
-    # token trees (``specdec.spec.tree``): per request, each draft token's parent (-1: the newest
+    # token trees (``specdec.spec_decode.tree``): per request, each draft token's parent (-1: the newest
     # real token); None => every request's drafts form a chain
     draft_parents: list[list[int]] | None = None
     # adaptive trees: the accepted tokens the draft's own probabilities predict for this step
@@ -34,7 +35,7 @@ class DraftProposal:
         the controller all read it); None for chains."""
         if self.draft_parents is None:
             return None
-        from specdec.spec.tree import depths
+        from specdec.spec_decode.tree import depths
 
         return [depths(p) for p in self.draft_parents]
 
@@ -54,7 +55,7 @@ class DraftProposal:
         drafts = self.draft_token_ids[i]
         if self.draft_parents is None:
             return [drafts[:j] for j in range(len(drafts) + 1)]
-        from specdec.spec.tree import row_histories
+        from specdec.spec_decode.tree import row_histories
 
         return row_histories(drafts, self.draft_parents[i])
 
@@ -62,17 +63,21 @@ class DraftProposal:
 class Proposer(ABC):
     name: str = "proposer"
     has_draft_model: bool = False  # True when drafting costs a model forward per token
-    needs_target_hidden: bool = False  # True: the engine calls observe_target after every step
+    needs_target_hidden: bool = False  # True: the worker calls observe_target after every step
 
     @abstractmethod
-    def propose(self, requests: list[Request], num_spec: list[int]) -> DraftProposal:
-        """Up to ``num_spec[i]`` draft tokens for each request (0 => none)."""
+    def propose(self, requests: list[CachedRequestState], num_spec: list[int],
+                tree_budget: TreeBudget | None = None) -> DraftProposal:
+        """Up to ``num_spec[i]`` draft tokens for each request (0 => none); ``tree_budget``
+        prices verification rows for proposers that size their trees by it."""
 
-    def observe_target(self, requests: list[Request], starts: list[int], offsets: list[int],
-                       hidden: torch.Tensor | None) -> None:
-        """The target's hidden states of the step just committed (EAGLE drafts from them)."""
+    def observe_target(self, requests: list[CachedRequestState], starts: list[int], offsets: list[int],
+                       num_kept: list[int], hidden: torch.Tensor) -> None:
+        """hidden [T, H]: the target's final hidden states of the step just verified; request i
+        fed rows offsets[i]... from position starts[i] and keeps the first num_kept[i] of them
+        (EAGLE drafts from them)."""
 
-    def on_request_finished(self, request: Request) -> None:
+    def on_request_finished(self, request: CachedRequestState) -> None:
         """Called once when a request ends (the suffix proposer learns from it)."""
 
     def reset_history(self) -> None:
@@ -86,11 +91,12 @@ class TokenListProposer(Proposer):
         self.impl = impl
         self.name = name
 
-    def propose(self, requests: list[Request], num_spec: list[int]) -> DraftProposal:
+    def propose(self, requests: list[CachedRequestState], num_spec: list[int],
+                tree_budget: TreeBudget | None = None) -> DraftProposal:
         drafts = self.impl.propose([r.all_token_ids for r in requests], num_spec, [r.request_id for r in requests])
         return DraftProposal([list(d)[:k] for d, k in zip(drafts, num_spec)], None)
 
-    def on_request_finished(self, request: Request) -> None:
+    def on_request_finished(self, request: CachedRequestState) -> None:
         self.impl.on_request_finished(request.request_id, request.all_token_ids,
                                       num_prompt_tokens=request.num_prompt_tokens)
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import random
 
-from specdec.engine.request import Request
-from specdec.spec.proposer import DraftProposal, Proposer
+from specdec.spec_decode.proposer import DraftProposal, Proposer
 
 
 class ReplayProposer(Proposer):
@@ -32,7 +31,7 @@ class ReplayProposer(Proposer):
         other = self.rng.randrange(self.vocab_size - 1)
         return other if other < token else other + 1
 
-    def propose(self, requests: list[Request], num_spec: list[int]) -> DraftProposal:
+    def propose(self, requests, num_spec: list[int], tree_budget=None) -> DraftProposal:
         drafts = []
         for req, k in zip(requests, num_spec):
             ref = self.references.get(tuple(req.prompt_token_ids))

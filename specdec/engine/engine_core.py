@@ -1,0 +1,160 @@
+"""EngineCore: the step loop. plan -> schedule -> execute -> commit -> outputs.
+
+The core owns the scheduler (and through it the KV block pool), the speculation policy
+and output processing; everything on the device sits behind the executor. Each step leaves
+a public ``StepRecord`` that the policy, the metrics and any benchmark observe.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from specdec.config import EngineConfig
+from specdec.engine.builder import resolve_model_info
+from specdec.engine.kv_cache_manager import KVCacheManager
+from specdec.engine.output_processor import OutputProcessor
+from specdec.engine.request import Request, RequestStatus
+from specdec.engine.request_groups import RequestGroup, RequestGroups
+from specdec.engine.scheduler import Scheduler
+from specdec.engine.step_record import StepRecord
+from specdec.executor.uniproc_executor import UniprocExecutor
+from specdec.outputs import RequestOutput
+from specdec.profiling import profile_range
+from specdec.sampling_params import SamplingParams
+from specdec.spec_decode.controller import SpecController
+from specdec.spec_decode.metrics import SpecDecodeMetrics
+from specdec.worker.worker import Worker
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, share_weights_with: EngineCore | None = None):
+        """``share_weights_with``: run on that engine's target weights instead of loading a copy
+        (benchmarks comparing proposers over one set of weights)."""
+        self.config = config
+        info = resolve_model_info(config)
+        self.tokenizer = info.tokenizer
+        self.model_path = info.model_path
+        self.model_config = info.model_config
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.eos_token_ids = info.eos_token_ids
+        self.generation_defaults = info.generation_defaults
+        shared = share_weights_with.executor.driver_worker.runner.model if share_weights_with else None
+        worker = Worker(config, info.model_path, info.model_config, info.vocab_size, info.max_model_len,
+                        info.eos_token_ids, shared_model=shared)
+        self.device, self.dtype = worker.device, worker.dtype
+        self.executor = UniprocExecutor(worker)
+        self.kv = KVCacheManager(self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.output = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                   config.enable_chunked_prefill, stop_checker=self.output)
+        spec = config.speculative_config
+        self.spec_controller = SpecController.build(spec, worker.proposer.has_draft_model, self.max_model_len) \
+            if spec else None
+        if self.spec_controller is not None and self.spec_controller.adaptive and config.spec_cost_calibration:
+            self.spec_controller.calibrate(lambda kind, n: self.executor.collective_rpc("time_forward", kind, n))
+        self.spec_metrics = SpecDecodeMetrics(method=spec.method if spec else "none")
+        self.groups = RequestGroups(self.output)
+        self.step_observers: list[Callable[[StepRecord], None]] = [self.spec_metrics.observe_step]
+        if self.spec_controller is not None:
+            self.step_observers.append(self.spec_controller.observe)
+        # True while a caller runs a fixed set of requests to the end (LLM.generate): nothing will
+        # join the batch, so "auto" plans for the batch's completion, not for tokens per second
+        self.closed_batch = False
+        # True while the caller reads finished outputs only (LLM.generate; vLLM's FINAL_ONLY): a
+        # running request's text is not re-decoded every step
+        self.final_outputs_only = False
+
+    # ---- the step ----
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        with profile_range("step"):
+            plan = self.spec_controller.plan(self.scheduler.running, self._batch_is_closed()) \
+                if self.spec_controller is not None else None
+            sched = self.scheduler.schedule(plan)
+            if sched.is_empty:
+                return []
+            result = self.executor.execute(sched)
+            updated, num_emitted = self.scheduler.update_from_output(sched, result)
+            self._release([r for r in updated if r.is_finished])
+            record = StepRecord(sched, result, num_emitted, time.perf_counter() - started)
+            for observe in self.step_observers:
+                observe(record)
+            return self.groups.outputs(updated, time.monotonic(), self.final_outputs_only)
+
+    def _batch_is_closed(self) -> bool:
+        return self.closed_batch and not self.scheduler.waiting
+
+    def _release(self, finished: list[Request]) -> None:
+        """Finished requests leave the worker and the policy."""
+        if not finished:
+            return
+        self.executor.finish_requests({r.request_id: r.num_tokens for r in finished})
+        if self.spec_controller is not None:
+            for r in finished:
+                self.spec_controller.forget(r)
+
+    # ---- requests in and out ----
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(prompt_token_ids)} tokens, longer than the model's context: "
+                f"max_model_len is {self.max_model_len} (and at least one token must be generated)"
+            )
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.validate_prompt(prompt_token_ids)
+        children = []
+        for i in range(params.n):
+            children.append(Request(
+                request_id if params.n == 1 else f"{request_id}#{i}", list(prompt_token_ids), params,
+                self.eos_token_ids, seed=None if params.seed is None else params.seed + i,
+                output_logprobs=[] if params.logprobs is not None else None))
+        self.groups.add(RequestGroup(request_id, prompt, children))
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            group = self.groups.pop(rid)
+            if group is None:
+                continue
+            aborted = [c for c in group.children if not c.is_finished]
+            for child in aborted:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+            self._release(aborted)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- observers and controls ----
+    def add_step_observer(self, observer: Callable[[StepRecord], None]) -> None:
+        self.step_observers.append(observer)
+
+    def remove_step_observer(self, observer: Callable[[StepRecord], None]) -> None:
+        self.step_observers.remove(observer)
+
+    def reset_proposer_history(self) -> None:
+        """Forget what finished requests taught the proposer (benchmark repetitions)."""
+        self.executor.collective_rpc("reset_proposer_history")
+
+    def get_metrics(self) -> dict:
+        out = self.spec_metrics.as_dict()
+        out.update(
+            kv_cache_usage=self.kv.usage, num_kv_blocks=self.kv.pool.num_blocks,
+            num_free_kv_blocks=self.kv.pool.num_free_blocks, num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting), num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv.pool.num_cache_queries, prefix_cache_hits=self.kv.pool.num_cache_hits,
+        )
+        return out
+
+
+LLMEngine = EngineCore  # the name vLLM users and the server know

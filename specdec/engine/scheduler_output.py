@@ -1,0 +1,41 @@
+"""What the scheduler hands the executor each step: everything a worker needs to build its
+inputs. Small and picklable, with no tensors and no ``Request`` objects, because a
+multi-process executor sends it to every rank; the worker keeps per-request state between
+steps (``specdec.worker.request_state``) and this carries only what changed or is granted."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.sampling_params import SamplingParams
+from specdec.spec_decode.plan import TreeBudget
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen: scheduled for the first time this step."""
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int | None  # the request's own generator (None: the global one)
+
+
+@dataclass
+class SchedulerOutput:
+    request_ids: list[str] = field(default_factory=list)  # the batch, in order
+    num_computed_tokens: list[int] = field(default_factory=list)  # per request: KV-cached tokens before this step
+    num_scheduled_tokens: list[int] = field(default_factory=list)  # per request: prefill chunk or 1, no draft slots
+    num_spec_slots: list[int] = field(default_factory=list)  # per request: draft tokens it may verify
+    tree_depths: list[int] = field(default_factory=list)  # per request: planned tree depth (0: the proposer's)
+    num_output_tokens: list[int] = field(default_factory=list)  # per request, before this step
+    block_ids: list[list[int]] = field(default_factory=list)  # per request: its KV blocks (target and draft caches)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)  # preempted in this step: their KV is gone
+    tree_budget: TreeBudget | None = None
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens) + sum(self.num_spec_slots)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.request_ids

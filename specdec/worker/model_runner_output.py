@@ -1,0 +1,24 @@
+"""What a worker returns for one step: per scheduled request, the tokens the target decided
+and the acceptance counts, plus the step's timings. Picklable, no tensors."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelRunnerOutput:
+    request_ids: list[str] = field(default_factory=list)  # the batch, as scheduled
+    # per request: accepted drafts, then the target's own token (recovered or bonus); [] for a
+    # prefill chunk that does not complete its prompt
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    num_draft_tokens: list[int] = field(default_factory=list)  # per request: drafts verified
+    num_accepted_tokens: list[int] = field(default_factory=list)  # per request: drafts kept
+    num_draft_positions: list[int] = field(default_factory=list)  # per request: K of a chain, depth of a tree
+    # per request, per sampled token: {token: logprob, top alternatives...} under the target's raw
+    # distribution; None for requests that asked for no logprobs
+    logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)
+    num_target_rows: int = 0  # rows the target forward ran
+    expected_accepted: float | None = None  # adaptive trees: accepted drafts the draft's probabilities predict
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    sampling_seconds: float = 0.0

@@ -1,0 +1,168 @@
+"""Build a worker's device state from an EngineConfig: models, runners and their paged KV
+caches, graphs, the proposer and the verifiers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.config import EngineConfig
+from specdec.layers.quantization import prepare_for_inference
+from specdec.models.loader import load_config, load_model, resolve_model_path
+from specdec.spec_decode.verifier import ChainVerifier, TreeVerifier
+from specdec.worker.device import apply_platform_defaults, resolve_device, resolve_dtype
+from specdec.worker.model_runner import ModelRunner
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+@dataclass
+class WorkerParts:
+    device: torch.device
+    dtype: torch.dtype
+    runner: ModelRunner
+    draft_runner: ModelRunner | None
+    proposer: object | None
+    chain_verifier: ChainVerifier
+    tree_verifier: TreeVerifier
+
+
+def num_kv_blocks(cfg: EngineConfig, device, bytes_per_block: int, max_model_len: int, max_k: int) -> int:
+    per_seq_blocks = -(-(max_model_len + max_k + 1) // cfg.block_size)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - total * (1.0 - cfg.gpu_memory_utilization))
+    elif cfg.kv_cache_memory is not None:
+        budget = cfg.kv_cache_memory
+    else:
+        budget = min(DEFAULT_CPU_KV_BYTES, cfg.max_num_seqs * per_seq_blocks * bytes_per_block)
+    num_blocks = budget // bytes_per_block
+    if num_blocks < per_seq_blocks:
+        raise ValueError(
+            f"KV cache of {budget} bytes holds {num_blocks} blocks of {cfg.block_size} tokens; one sequence of "
+            f"max_model_len={max_model_len} needs {per_seq_blocks}: raise kv_cache_memory or lower max_model_len"
+        )
+    return num_blocks
+
+
+def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_size: int, max_model_len: int,
+                       shared_model=None) -> WorkerParts:
+    """``shared_model``: use these target weights instead of loading a copy (benchmarks that
+    compare proposers over one set of weights)."""
+    device = resolve_device(cfg.device)
+    apply_platform_defaults(device)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    torch.manual_seed(cfg.seed)
+    dtype = resolve_dtype(cfg.dtype, device)
+    attn_backend = _attention_backend(cfg, device)
+    model = shared_model if shared_model is not None else load_model(model_path, dtype, device, attn_backend,
+                                                                     model_config)
+    spec = cfg.speculative_config
+    max_k = spec.num_spec_slots if spec else 0
+    bytes_per_block = ModelRunner.kv_bytes_per_block(model_config, cfg.block_size, dtype)
+    draft_model = draft_dtype = None
+    if spec is not None and spec.method == "draft_model":
+        draft_path = resolve_model_path(spec.model)
+        draft_cfg = load_config(draft_path)
+        draft_dtype = dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, device)
+        draft_model = prepare_for_inference(
+            load_model(draft_path, draft_dtype, device, attn_backend, draft_cfg), spec.quantization, device)
+        bytes_per_block += ModelRunner.kv_bytes_per_block(draft_cfg, cfg.block_size, draft_dtype)
+    eagle = spec is not None and spec.method == "eagle"
+    if eagle:
+        from specdec.models.eagle import is_eagle_folder, load_head
+
+        head_path = resolve_model_path(spec.model)
+        if not is_eagle_folder(head_path):
+            raise ValueError(f"speculative_config.model {spec.model!r} is not an EAGLE head (its config.json has no "
+                             f"'specdec_eagle' entry); make one with `specdec train-draft --arch eagle`")
+        draft_dtype = dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, device)
+        # attached before the target's linears are packed: the head copies rows of its LM head
+        draft_model = prepare_for_inference(load_head(head_path, model, draft_dtype, device, attn_backend),
+                                            spec.quantization, device)
+        bytes_per_block += ModelRunner.kv_bytes_per_block(draft_model.config, cfg.block_size, draft_dtype)
+    if shared_model is None:
+        model = prepare_for_inference(model, cfg.quantization, device)
+    num_blocks = num_kv_blocks(cfg, device, bytes_per_block, max_model_len, max_k)
+    runner = ModelRunner(model, num_blocks, cfg.block_size, device, dtype, reuse_logits=True)
+    draft_runner = ModelRunner(draft_model, num_blocks, cfg.block_size, device, draft_dtype) if draft_model else None
+    # EAGLE reads the target's hidden states, which captured graphs do not return: eager there
+    if device.type == "cuda" and attn_backend.name == "triton" and not cfg.enforce_eager and not eagle:
+        _enable_graphs(cfg, runner, draft_runner, max_model_len, spec)
+    proposer = build_proposer(spec, draft_runner, vocab_size) if spec else None
+    return WorkerParts(device, dtype, runner, draft_runner, proposer, ChainVerifier(_rejection_sampler(device)),
+                       TreeVerifier())
+
+
+def _enable_graphs(cfg: EngineConfig, runner, draft_runner, max_model_len: int, spec) -> None:
+    """Capture decode (q = 1) and verification (q = K + 1, every K up to the maximum: adaptive K
+    varies it) graphs for the target, and proposal-pass graphs (q = 1) for a draft model."""
+    sizes = sorted({b for b in cfg.cuda_graph_batch_sizes if b <= cfg.max_num_seqs} | {1})
+    max_blocks = -(-max_model_len // cfg.block_size) + 1
+    max_k = spec.max_k if spec else 0
+    runner.enable_graphs(sizes, [1] + [k + 1 for k in range(1, max_k + 1)], max_blocks)
+    if draft_runner is not None:
+        draft_runner.enable_graphs(sizes, [1], max_blocks)
+
+
+def _attention_backend(cfg: EngineConfig, device):
+    from specdec.layers.attention import REFERENCE_BACKEND, TORCH_BACKEND, AttentionBackend
+
+    if cfg.attention_backend == "reference":
+        return REFERENCE_BACKEND
+    if cfg.attention_backend == "torch" or (cfg.attention_backend == "auto" and device.type != "cuda"):
+        return TORCH_BACKEND
+    try:
+        from specdec.kernels.kv_cache import write_kv_cache_triton
+        from specdec.kernels.paged_attention import paged_attention_triton
+    except ImportError as e:
+        if cfg.attention_backend == "triton":
+            raise ValueError(f"attention_backend='triton' needs triton: {e}") from None
+        return TORCH_BACKEND
+    return AttentionBackend("triton", write_kv_cache_triton, paged_attention_triton)
+
+
+def _rejection_sampler(device):
+    """The Triton sampler on GPUs (same draws, same results as the reference), torch elsewhere."""
+    from specdec.spec_decode.rejection_sampler import rejection_sample
+
+    if device.type != "cuda":
+        return rejection_sample
+    try:
+        from specdec.kernels.rejection_sampler import rejection_sample_triton
+    except ImportError:
+        return rejection_sample
+    return rejection_sample_triton
+
+
+def _tree_args(spec) -> dict:
+    if not spec.is_tree:
+        return {}
+    return {"tree_topk": spec.tree_topk, "tree_depth": spec.max_k, "tree_nodes": spec.num_tree_nodes}
+
+
+def build_proposer(spec, draft_runner, vocab_size):
+    from specdec.spec_decode.proposer import TokenListProposer
+
+    if spec.method == "draft_model":
+        from specdec.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(draft_runner, vocab_size, **_tree_args(spec))
+    if spec.method == "eagle":
+        from specdec.spec_decode.eagle import EagleProposer
+
+        return EagleProposer(draft_runner, vocab_size, **_tree_args(spec))
+    if spec.method == "ngram":
+        from specdec.spec_decode.ngram import NgramProposer
+
+        return TokenListProposer(NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.max_k), "ngram")
+    if spec.method == "suffix":
+        from specdec.spec_decode.suffix import SuffixProposer
+
+        return TokenListProposer(SuffixProposer(spec.max_k), "suffix")
+    if spec.method == "replay":
+        from specdec.bench.replay import ReplayProposer
+
+        return ReplayProposer(spec.acceptance, vocab_size)
+    raise ValueError(f"unknown speculative method {spec.method!r}")
