@@ -17,7 +17,11 @@ import time
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.models.default import DEFAULT_TARGET, default_engine_kwargs, draft_spec_config
+from specdec.models.default import (
+    DEFAULT_TARGET,
+    default_engine_kwargs,
+    draft_spec_config,
+)
 from specdec.training.draft_corpus import HELDOUT_CHAT, HELDOUT_CODE
 
 HELD_OUT = [

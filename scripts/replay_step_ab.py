@@ -2,8 +2,10 @@
 random 1.1B Llama, batch 1, 96 tokens; prints tokens/s, seconds per decode step and the breakdown.
 Run: python scripts/replay_step_ab.py K   (the model: specdec bench make-model /tmp/llama1b)"""
 import sys
+
 from specdec import LLM
 from specdec.bench import driver
+
 k = int(sys.argv[1])
 MODEL = sys.argv[2] if len(sys.argv) > 2 else "/tmp/llama1b"
 base = LLM(MODEL, dtype="bfloat16")

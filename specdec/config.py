@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 SPEC_METHODS = ("draft_model", "eagle", "ngram", "suffix", "replay")
 MAX_SPEC_TOKENS = 16

@@ -15,8 +15,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from specdec.bench.leviathan import AcceptanceCounts
 from specdec.sampling_params import SamplingParams
+from specdec.spec_decode.metrics import AcceptanceCounts
 
 _request_ids = itertools.count()
 

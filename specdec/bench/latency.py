@@ -9,9 +9,15 @@ from __future__ import annotations
 
 from specdec.bench import driver
 from specdec.bench.cli import add_common_args, engine_args, has_speculation
-from specdec.bench.leviathan import AcceptanceCounts, leviathan_bound
+from specdec.bench.leviathan import leviathan_bound
 from specdec.bench.report import format_table, median, result_header, run_benchmark
-from specdec.bench.roofline import engine_roofline, measure_bandwidth, measure_matmul_flops, paired_fraction
+from specdec.bench.roofline import (
+    engine_roofline,
+    measure_bandwidth,
+    measure_matmul_flops,
+    paired_fraction,
+)
+from specdec.spec_decode.metrics import AcceptanceCounts
 
 
 def add_parser(sub):

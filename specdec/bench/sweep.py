@@ -18,9 +18,9 @@ import json
 from specdec.bench import driver
 from specdec.bench.cli import add_common_args, engine_args
 from specdec.bench.latency import speculation_figures, summarize_runs
-from specdec.bench.leviathan import expected_tokens_per_step
 from specdec.bench.report import format_table, median, result_header, run_benchmark
 from specdec.bench.roofline import engine_roofline, measure_bandwidth, paired_fraction
+from specdec.spec_decode.adaptive import expected_tokens
 
 
 def add_parser(sub):
@@ -49,7 +49,6 @@ def measure(args) -> dict:
     if not all(0.0 <= a <= 1.0 for a in args.acceptances) or min(args.ks) < 1:
         raise ValueError("--acceptances must be in [0, 1] and --ks >= 1")
     from specdec.worker.calibrate import time_verify_forward
-
     from specdec.worker.model_runner import ModelRunner
 
     base = make_llm(engine_args(args, speculative=False))
@@ -92,7 +91,7 @@ def measure(args) -> dict:
             # the bound with verification priced at what the forward over K + 1 rows measured
             cell["forward_cost_ratio"] = median(ratios[a])
             cell["forward_cost_ratio_per_iter"] = ratios[a]
-            cell["hardware_bound"] = expected_tokens_per_step(cell["acceptance"]["alpha"], k) / (
+            cell["hardware_bound"] = expected_tokens(cell["acceptance"]["alpha"], k) / (
                 cell["cost_ratio"] * k + cell["forward_cost_ratio"])
             cell["engine_efficiency"] = cell["speedup"] / cell["hardware_bound"]
             cell["greedy_agreement"] = driver.agreement(references * args.num_iters,

@@ -9,9 +9,13 @@ from __future__ import annotations
 from specdec.bench import driver
 from specdec.bench.cli import add_common_args, engine_args, has_speculation
 from specdec.bench.latency import speculation_figures, summarize_runs
-from specdec.bench.report import format_table, result_header, run_benchmark
-from specdec.bench.report import median
-from specdec.bench.roofline import engine_roofline, measure_bandwidth, measure_matmul_flops, paired_fraction
+from specdec.bench.report import format_table, median, result_header, run_benchmark
+from specdec.bench.roofline import (
+    engine_roofline,
+    measure_bandwidth,
+    measure_matmul_flops,
+    paired_fraction,
+)
 
 
 def add_parser(sub):

@@ -6,7 +6,12 @@ from dataclasses import dataclass
 
 from specdec.engine.output_processor import OutputProcessor
 from specdec.engine.request import Request
-from specdec.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats
+from specdec.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    SpecDecodeStats,
+)
 
 
 @dataclass

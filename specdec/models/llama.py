@@ -14,7 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.layers.attention import REFERENCE_BACKEND, AttentionBackend, AttentionMetadata
+from specdec.layers.attention import (
+    REFERENCE_BACKEND,
+    AttentionBackend,
+    AttentionMetadata,
+)
 from specdec.layers.norm import RMSNorm
 from specdec.layers.rotary import RotaryEmbedding, rotate
 from specdec.profiling import profile_range

@@ -40,7 +40,9 @@ class SpecController:
         self._last_ids: list[str] = []  # the decoding requests of the previous plan
         self.observe_plain_every = 8  # plain decode steps per cost-model observation
         if adaptive:
-            from specdec.spec_decode.adaptive import AcceptanceEstimator, StepCostModel, ThroughputGuard
+            from specdec.spec_decode.acceptance import AcceptanceEstimator
+            from specdec.spec_decode.cost_model import StepCostModel
+            from specdec.spec_decode.throughput_guard import ThroughputGuard
 
             self.cost = StepCostModel()
             self.acceptance = AcceptanceEstimator()
@@ -87,7 +89,10 @@ class SpecController:
         return left
 
     def _replan(self, running: list[Request], closed_batch: bool = False) -> dict[str, int]:
-        from specdec.spec_decode.adaptive import choose_num_spec_tokens, completion_weights
+        from specdec.spec_decode.adaptive import (
+            choose_num_spec_tokens,
+            completion_weights,
+        )
 
         reqs, others, prefilling = [], 0, False
         for r in running:  # one pass: this runs every step

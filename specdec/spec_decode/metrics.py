@@ -1,9 +1,13 @@
-"""Speculative-decoding counters: drafts, draft tokens, accepted tokens per position, timings."""
+"""Speculative-decoding counters: drafts, draft tokens, accepted tokens per position, timings.
+
+``AcceptanceCounts`` is the one acceptance counter: per-draft outcomes (positions drafted,
+positions accepted), from which every acceptance figure is derived; the engine's metrics and
+the benchmarks both keep one.
+"""
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from specdec.outputs import SpecDecodeStats
@@ -13,13 +17,88 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class AcceptanceCounts:
+    """Per-draft outcomes: how many tokens were drafted and how many of them were accepted."""
+    outcomes: Counter = field(default_factory=Counter)  # (num_drafted, num_accepted) -> count
+
+    def add(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted:
+            self.outcomes[(num_drafted, num_accepted)] += 1
+
+    @property
+    def num_drafts(self) -> int:
+        return sum(self.outcomes.values())
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(d * n for (d, _), n in self.outcomes.items())
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(a * n for (_, a), n in self.outcomes.items())
+
+    @property
+    def num_rejections(self) -> int:
+        return sum(n for (d, a), n in self.outcomes.items() if a < d)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted (vLLM's definition)."""
+        d = self.num_draft_tokens
+        return self.num_accepted_tokens / d if d else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """accepted / tried: the maximum-likelihood per-token acceptance probability."""
+        tried = self.num_accepted_tokens + self.num_rejections
+        return self.num_accepted_tokens / tried if tried else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step: 1 + accepted / drafts."""
+        n = self.num_drafts
+        return 1.0 + self.num_accepted_tokens / n if n else 1.0
+
+    @property
+    def mean_k(self) -> float:
+        n = self.num_drafts
+        return self.num_draft_tokens / n if n else 0.0
+
+    def per_position(self) -> tuple[list[int], list[int]]:
+        """(drafts that reached position i, drafts accepted at position i) for every position."""
+        max_k = max((d for d, _ in self.outcomes), default=0)
+        drafted, accepted = [0] * max_k, [0] * max_k
+        for (d, a), n in self.outcomes.items():
+            for pos in range(d):
+                drafted[pos] += n
+                if pos < a:
+                    accepted[pos] += n
+        return drafted, accepted
+
+    def acceptance_per_position(self) -> list[float]:
+        """P(position i accepted | position i drafted): alpha^(i+1) under the i.i.d. model."""
+        drafted, accepted = self.per_position()
+        return [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
+
+    def merge(self, other: AcceptanceCounts) -> None:
+        self.outcomes.update(other.outcomes)
+
+    def as_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
+            "alpha": self.alpha, "mean_acceptance_length": self.mean_acceptance_length, "mean_k": self.mean_k,
+            "acceptance_per_position": self.acceptance_per_position(),
+        }
+
+
+@dataclass
 class SpecDecodeMetrics:
     method: str = "none"
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    num_accepted_per_pos: list[int] = field(default_factory=list)
-    num_drafted_per_pos: list[int] = field(default_factory=list)
+    positions: AcceptanceCounts = field(default_factory=AcceptanceCounts)  # (positions drafted, accepted) per draft
     k_histogram: Counter = field(default_factory=Counter)  # K actually used per request-step (incl. 0)
     num_steps: int = 0
     num_emitted_tokens: int = 0
@@ -37,13 +116,7 @@ class SpecDecodeMetrics:
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
-        while len(self.num_drafted_per_pos) < positions:
-            self.num_drafted_per_pos.append(0)
-            self.num_accepted_per_pos.append(0)
-        for pos in range(positions):
-            self.num_drafted_per_pos[pos] += 1
-            if pos < num_accepted:
-                self.num_accepted_per_pos[pos] += 1
+        self.positions.add(positions, num_accepted)
 
     def observe_step(self, record: StepRecord) -> None:
         """A committed step: every verification after a request's first token, and the timings."""
@@ -64,6 +137,7 @@ class SpecDecodeMetrics:
 
     def as_dict(self) -> dict:
         s = self.stats
+        _, accepted_per_pos = self.positions.per_position()
         return {
             "method": self.method,
             "num_drafts": self.num_drafts,
@@ -71,10 +145,8 @@ class SpecDecodeMetrics:
             "num_accepted_tokens": self.num_accepted_tokens,
             "acceptance_rate": s.acceptance_rate,
             "mean_acceptance_length": s.mean_acceptance_length,
-            "acceptance_per_position": [
-                a / d if d else 0.0 for a, d in zip(self.num_accepted_per_pos, self.num_drafted_per_pos)
-            ],
-            "num_accepted_tokens_per_pos": list(self.num_accepted_per_pos),
+            "acceptance_per_position": self.positions.acceptance_per_position(),
+            "num_accepted_tokens_per_pos": accepted_per_pos,
             "k_histogram": dict(sorted(self.k_histogram.items())),
             "num_steps": self.num_steps,
             "num_emitted_tokens": self.num_emitted_tokens,

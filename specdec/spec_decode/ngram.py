@@ -6,9 +6,7 @@ The search is vectorised: two numpy compares of the whole context against its la
 bigram give the candidate end positions, then the common-suffix length of every candidate
 is measured at once (a few filtering steps, then one [candidates, depth] window compare).
 Each request's token array is appended to incrementally, so a step costs O(context)
-numpy work but only O(new tokens) Python work. Measured on this 2-core CPU (busy): about
-17 / 18 / 25 us per request per step for 512 / 2k / 8k-token contexts, i.e. well under
-0.1% of a 50-100 ms target step per request.
+numpy work but only O(new tokens) Python work, small beside a target step.
 """
 from __future__ import annotations
 

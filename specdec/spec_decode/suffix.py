@@ -29,6 +29,8 @@ and only the longest pattern is scored rather than every pattern length.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from specdec.spec_decode.ngram import (

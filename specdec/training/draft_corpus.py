@@ -77,7 +77,7 @@ SNIPPET_TEMPLATES = ["Explain what this Python code does:\n```python\n{s}\n```",
                      "Add comments to this Python code:\n```python\n{s}\n```",
                      "Are there any bugs or improvements in this code?\n```python\n{s}\n```"]
 
-# A second, larger prompt pool for ``--extra-chat-prompts`` (session 6): new subjects, new
+# A second, larger prompt pool for ``--extra-chat-prompts``: new subjects, new
 # templates in more conversational phrasings, and open tasks with their own slots, so the grid
 # holds 15,674 distinct prompts. Every prompt here pairs a new template with any subject or a new
 # subject with any template, so none repeats a ``train_prompts`` prompt; held-out subjects

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.spec_decode.adaptive import expected_tokens
 from specdec.training import draft_corpus as corpus_lib
 
 SOURCES = ("chat", "stdlib", "shakespeare")
@@ -276,7 +277,7 @@ def evaluate(student, teacher, items: list[dict], k: int = 5) -> dict:
     for domain, s in sums.items():
         a = s["agree"] / s["tokens"]
         report[domain] = {"tokens": s["tokens"], "kl": s["kl"] / s["tokens"], "top1_agreement": a,
-                          f"expected_accept_len_k{k}": (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1.0}
+                          f"expected_accept_len_k{k}": expected_tokens(a, k)}
         if s["steps"]:
             report[domain][f"replayed_accept_len_k{k}"] = (sum(m * n for m, n in s["steps"])
                                                            / sum(n for _, n in s["steps"]))

@@ -26,7 +26,11 @@ import torch.nn.functional as F
 
 from specdec.models.eagle import dense_forward, init_head, save_head
 from specdec.training.train_draft import (
-    FusedHeadTopKRestKL, _save_atomic, fingerprint, prepare_run, train,
+    FusedHeadTopKRestKL,
+    _save_atomic,
+    fingerprint,
+    prepare_run,
+    train,
 )
 
 ROWS_PER_SHARD = 64

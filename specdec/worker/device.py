@@ -73,11 +73,9 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 def keep_cpu_allocations_mapped(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 << 20) -> bool:
     """Serve host tensors up to 32 MiB from malloc's heap and keep up to 256 MiB of freed heap
     mapped, instead of glibc's defaults (fresh mmap pages for large blocks, handed back on free).
-    PyTorch has no caching allocator on the CPU, so a step's multi-MB activations and logits were
-    page-faulted in anew every step: measured on SmolLM2-135M at batch 32, a verification step
-    over 104 rows spent 12.9 ms in its LM head (6.8 ms with this) and the step took 68 ms (61
-    ms). Intel's guidance for PyTorch on CPUs (jemalloc / tcmalloc by LD_PRELOAD) fixes the same
-    thing; this needs no preload. 32 MiB is the largest threshold glibc accepts on 64-bit; larger
+    PyTorch has no caching allocator on the CPU, so a step's multi-MB activations and logits
+    would be page-faulted in anew every step. Intel's guidance for PyTorch on CPUs (jemalloc /
+    tcmalloc by LD_PRELOAD) fixes the same thing; this needs no preload. 32 MiB is the largest threshold glibc accepts on 64-bit; larger
     step buffers are reused by their owners (``ModelRunner.reuse_logits``). Returns whether it
     applied (glibc only; elsewhere nothing happens)."""
     if os.environ.get("SPECDEC_KEEP_CPU_ALLOCATIONS", "1") == "0":

@@ -107,7 +107,11 @@ def _enable_graphs(cfg: EngineConfig, runner, draft_runner, max_model_len: int, 
 
 
 def _attention_backend(cfg: EngineConfig, device):
-    from specdec.layers.attention import REFERENCE_BACKEND, TORCH_BACKEND, AttentionBackend
+    from specdec.layers.attention import (
+        REFERENCE_BACKEND,
+        TORCH_BACKEND,
+        AttentionBackend,
+    )
 
     if cfg.attention_backend == "reference":
         return REFERENCE_BACKEND

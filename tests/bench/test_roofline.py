@@ -8,8 +8,15 @@ import pytest
 import torch
 from torch import nn
 
-from specdec.bench.roofline import (WeightBytes, kv_bytes_per_token, measure_bandwidth, paired_fraction, roofline,
-                                    tensor_nbytes, weight_bytes)
+from specdec.bench.roofline import (
+    WeightBytes,
+    kv_bytes_per_token,
+    measure_bandwidth,
+    paired_fraction,
+    roofline,
+    tensor_nbytes,
+    weight_bytes,
+)
 from specdec.layers.quantization import Int8Linear, PackedLinear, _can_pack
 
 

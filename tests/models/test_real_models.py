@@ -9,7 +9,9 @@ import os
 import pytest
 
 from specdec import LLM, SamplingParams
-from specdec.models.default import draft_spec_config  # "eagle" for an EAGLE head folder, else "draft_model"
+from specdec.models.default import (
+    draft_spec_config,  # "eagle" for an EAGLE head folder, else "draft_model"
+)
 
 pytestmark = [
     pytest.mark.real_model,

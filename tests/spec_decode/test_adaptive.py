@@ -6,14 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdec.spec_decode.acceptance import AcceptanceEstimator
 from specdec.spec_decode.adaptive import (
-    AcceptanceEstimator,
-    StepCostModel,
     choose_num_spec_tokens,
     choose_num_tree_nodes,
     completion_weights,
     expected_tokens,
 )
+from specdec.spec_decode.cost_model import StepCostModel
 
 COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -276,7 +276,7 @@ def test_validation_and_empty_batch():
 
 
 def test_throughput_guard_backs_off_when_speculating_steps_are_slower():
-    from specdec.spec_decode.adaptive import ThroughputGuard
+    from specdec.spec_decode.throughput_guard import ThroughputGuard
 
     guard = ThroughputGuard(probe_every=8, min_steps=4)
     # no plain rate yet: every other step is plain (free against speculation off) until there is one
@@ -303,7 +303,7 @@ def test_throughput_guard_backs_off_when_speculating_steps_are_slower():
 
 
 def test_throughput_guard_forgets_speculating_evidence_in_proportion_to_new_requests():
-    from specdec.spec_decode.adaptive import ThroughputGuard
+    from specdec.spec_decode.throughput_guard import ThroughputGuard
 
     guard = ThroughputGuard(min_steps=4)
     for batch in (1, 32):
@@ -320,7 +320,7 @@ def test_throughput_guard_forgets_speculating_evidence_in_proportion_to_new_requ
 
 
 def test_throughput_guard_ignores_empty_steps_and_rejects_bad_settings():
-    from specdec.spec_decode.adaptive import ThroughputGuard
+    from specdec.spec_decode.throughput_guard import ThroughputGuard
 
     guard = ThroughputGuard(min_steps=1)
     guard.observe(2, speculated=True, tokens=0, seconds=0.01)

@@ -5,7 +5,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec.spec_decode.ngram import NgramProposer, TokenArrayCache, common_suffix_lengths, find_ngram_continuation
+from specdec.spec_decode.ngram import (
+    NgramProposer,
+    TokenArrayCache,
+    common_suffix_lengths,
+    find_ngram_continuation,
+)
 
 
 def reference_continuation(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:

@@ -12,7 +12,11 @@ from scipy.stats import chisquare
 
 from specdec import LLM, SamplingParams
 from specdec.config import SpeculativeConfig
-from specdec.layers.attention import AttentionMetadata, paged_attention_reference, paged_attention_torch
+from specdec.layers.attention import (
+    AttentionMetadata,
+    paged_attention_reference,
+    paged_attention_torch,
+)
 from specdec.layers.sampler import SamplingMetadata
 from specdec.spec_decode import tree
 

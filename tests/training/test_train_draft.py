@@ -12,8 +12,16 @@ import torch
 
 from specdec.models.tiny import make_tiny_model
 from specdec.training import draft_corpus
-from specdec.training.train_draft import (FusedHeadTopKRestKL, TrainDraftConfig, config_from_args, distill_loss,
-                                      register_cli, simulated_acceptance_length, topk_rest_kl_rows, train_draft)
+from specdec.training.train_draft import (
+    FusedHeadTopKRestKL,
+    TrainDraftConfig,
+    config_from_args,
+    distill_loss,
+    register_cli,
+    simulated_acceptance_length,
+    topk_rest_kl_rows,
+    train_draft,
+)
 
 
 def _reference_kl(hidden, weight, ids, logp):

@@ -1,0 +1,81 @@
+"""AcceptanceEstimator: per-request acceptance (scalar and per-position), Beta counts with
+exponential forgetting, shrunk towards a pooled estimate over all requests."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class AcceptanceEstimator:
+    """Per-request acceptance from (num_drafted, num_accepted) outcomes. Under the i.i.d.
+    model a step that accepted A of K drafts is A successes plus one failure if A < K; the
+    estimate is the Beta posterior mean with counts decayed by ``decay`` per update (memory
+    ~ 1/(1 - decay) steps) and a prior of ``prior_strength`` pseudo-trials at the pooled
+    estimate of all requests (itself starting at ``prior_acceptance``). Per position j the
+    same counts give the conditional P(accept j | accepted 1..j-1)."""
+
+    def __init__(self, max_positions: int = 16, prior_acceptance: float = 0.5, prior_strength: float = 2.0,
+                 decay: float = 0.95, pooled_decay: float = 0.999):
+        if not isinstance(max_positions, int) or max_positions < 1:
+            raise ValueError(f"max_positions must be an int >= 1, got {max_positions!r}")
+        if not 0.0 <= prior_acceptance <= 1.0:
+            raise ValueError(f"prior_acceptance must be in [0, 1], got {prior_acceptance!r}")
+        if not prior_strength > 0.0:
+            raise ValueError(f"prior_strength must be > 0, got {prior_strength!r}")
+        for name, value in (("decay", decay), ("pooled_decay", pooled_decay)):
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+        self.max_positions = max_positions
+        self.prior_acceptance = prior_acceptance
+        self.prior_strength = prior_strength
+        self.decay, self.pooled_decay = decay, pooled_decay
+        # counts[:, 0] successes, counts[:, 1] trials; row 0 = scalar, rows 1.. = positions
+        self._pooled = np.zeros((max_positions + 1, 2))
+        self._requests: dict[str, np.ndarray] = {}
+
+    def update(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted}, {num_drafted}")
+        if num_drafted == 0:
+            return
+        outcome = np.zeros((self.max_positions + 1, 2))
+        num_tried = min(num_accepted + 1, num_drafted)
+        outcome[0] = (num_accepted, num_tried)
+        positions = np.minimum(np.arange(num_tried), self.max_positions - 1) + 1  # deep ones share the last
+        np.add.at(outcome[:, 1], positions, 1.0)
+        np.add.at(outcome[:, 0], positions[:num_accepted], 1.0)
+        counts = self._requests.get(request_id)
+        self._requests[request_id] = outcome if counts is None else counts * self.decay + outcome
+        self._pooled = self._pooled * self.pooled_decay + outcome
+
+    def _pooled_posterior(self) -> np.ndarray:
+        return (self._pooled[:, 0] + self.prior_strength * self.prior_acceptance) / (
+            self._pooled[:, 1] + self.prior_strength)
+
+    def _posterior(self, request_id: str) -> np.ndarray:
+        pooled = self._pooled_posterior()
+        counts = self._requests.get(request_id)
+        if counts is None:
+            return pooled
+        return (counts[:, 0] + self.prior_strength * pooled) / (counts[:, 1] + self.prior_strength)
+
+    def acceptance(self, request_id: str) -> float:
+        """Per-token acceptance rate a under the i.i.d. model."""
+        return float(self._posterior(request_id)[0])
+
+    def position_acceptances(self, request_ids: Sequence[str]) -> np.ndarray:
+        """[B, max_positions] ``position_acceptance`` of many requests in one vectorised pass
+        (it runs every step, for the whole batch)."""
+        pooled = self._pooled_posterior()
+        empty = np.zeros_like(self._pooled)
+        counts = np.stack([self._requests.get(r, empty) for r in request_ids])  # [B, P + 1, 2]
+        posterior = (counts[:, :, 0] + self.prior_strength * pooled) / (counts[:, :, 1] + self.prior_strength)
+        return posterior[:, 1:]
+
+    def position_acceptance(self, request_id: str) -> list[float]:
+        """[max_positions] conditional acceptance of each draft position."""
+        return self._posterior(request_id)[1:].tolist()
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)

@@ -1,0 +1,154 @@
+"""StepCostModel: measured forward-pass seconds as a function of the tokens in the pass, per
+kind ("target", "draft"), piecewise-linear over token-count knots with EMA updates;
+``calibrate`` times a callable at start-up, ``observe`` refines it every step."""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+KINDS = ("target", "draft")
+DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _validate_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+class StepCostModel:
+    """Seconds per forward pass vs tokens in the pass, per kind. Knots at ``token_counts``;
+    linear between observed knots, flat below the first, and beyond the last observed knot
+    the last observed segment's slope continues (flat with one observed knot). That is
+    optimistic on purpose: an over-estimate would stop speculation and with it the
+    observations that would correct it; an under-estimate is corrected by the next step's
+    measurement. Observations above the last knot fold into it proportionally (compute-
+    bound). Each observation is a least-mean-squares step on the
+    two neighbouring knots (weights = hat functions), with step max(ema_rate, 1/mass) so a
+    knot averages its first observations and then tracks drift as an EMA. An unobserved
+    kind costs 1.0 flat for "target" (memory-bound, see DESIGN.md) and 0.0 for "draft" (the
+    n-gram / suffix proposers)."""
+
+    def __init__(self, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS, ema_rate: float = 0.05):
+        counts = list(token_counts)
+        if not counts or any(not isinstance(n, int) or n < 1 for n in counts) or counts != sorted(set(counts)):
+            raise ValueError(f"token_counts must be strictly increasing ints >= 1, got {token_counts!r}")
+        if not 0.0 < ema_rate <= 1.0:
+            raise ValueError(f"ema_rate must be in (0, 1], got {ema_rate!r}")
+        self.token_counts = np.asarray(counts, dtype=np.float64)  # [num_knots]
+        self.ema_rate = ema_rate
+        self._seconds = {kind: np.zeros(len(counts)) for kind in KINDS}  # [num_knots]
+        self._mass = {kind: np.zeros(len(counts)) for kind in KINDS}  # [num_knots] observation weight
+        self._calibrated = {kind: np.zeros(len(counts)) for kind in KINDS}  # [num_knots] set() values
+        self._observed = {kind: np.zeros(len(counts), dtype=bool) for kind in KINDS}  # [num_knots] by observe()
+
+    def has_observations(self, kind: str) -> bool:
+        _validate_kind(kind)
+        return bool(self._mass[kind].any())
+
+    def observe(self, kind: str, num_tokens: int, seconds: float) -> None:
+        _validate_kind(kind)
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens!r}")
+        if not (math.isfinite(seconds) and seconds >= 0.0):
+            raise ValueError(f"seconds must be finite and >= 0, got {seconds!r}")
+        knots, values, mass = self.token_counts, self._seconds[kind], self._mass[kind]
+        if num_tokens > knots[-1]:  # fold into the last knot under the proportional assumption
+            seconds, num_tokens = seconds * knots[-1] / num_tokens, knots[-1]
+        num_tokens = max(num_tokens, knots[0])
+        hi = min(int(np.searchsorted(knots, num_tokens)), len(knots) - 1)
+        lo = hi if knots[hi] == num_tokens else hi - 1
+        w_hi = 1.0 if lo == hi else (num_tokens - knots[lo]) / (knots[hi] - knots[lo])
+        residual = seconds - (self.cost(kind, num_tokens) if mass.any() else seconds)
+        fresh = [knot for knot in {lo, hi} if not self._observed[kind][knot]]
+        if fresh:  # a calibration-only knot starts from its rescaled value
+            values[fresh] = self._knot_values(kind)[fresh]
+        for knot, weight in ((lo, 1.0 - w_hi), (hi, w_hi)) if lo != hi else ((hi, 1.0),):
+            if weight <= 0.0:
+                continue
+            if mass[knot] == 0.0:
+                values[knot] = seconds
+            else:
+                values[knot] += max(self.ema_rate, weight / (mass[knot] + weight)) * weight * residual
+                values[knot] = max(values[knot], 0.0)  # the two-knot LMS step can overshoot below 0
+            mass[knot] += weight
+            self._observed[kind][knot] = True
+
+    def set(self, kind: str, num_tokens: int, seconds: float) -> None:
+        """Overwrite a knot with a trusted measurement (calibration)."""
+        _validate_kind(kind)
+        matches = np.flatnonzero(self.token_counts == num_tokens)
+        if matches.size == 0:
+            raise ValueError(f"num_tokens={num_tokens} is not a knot of this model ({self.token_counts.tolist()})")
+        self._seconds[kind][matches[0]] = seconds
+        self._mass[kind][matches[0]] = max(self._mass[kind][matches[0]], 1.0)
+        self._calibrated[kind][matches[0]] = seconds
+        self._observed[kind][matches[0]] = False
+
+    def _knot_values(self, kind: str) -> np.ndarray:
+        """Knot seconds, with knots known only from calibration rescaled by the observed /
+        calibrated ratio of the nearest knots that real steps have since measured. Start-up
+        calibration runs short contexts; real steps (long contexts, sampling) can cost twice
+        as much, and a curve mixing updated and stale knots would say that going from an observed
+        knot to a stale larger one is nearly free, so "auto" would speculate where it does not pay."""
+        values, calibrated = self._seconds[kind], self._calibrated[kind]
+        anchors = np.flatnonzero(self._observed[kind] & (calibrated > 0))
+        stale = np.flatnonzero(~self._observed[kind] & (calibrated > 0))
+        if anchors.size == 0 or stale.size == 0:
+            return values
+        values = values.copy()
+        ratios = values[anchors] / calibrated[anchors]
+        values[stale] = calibrated[stale] * np.interp(stale, anchors, ratios)  # flat beyond the ends
+        return values
+
+    def costs(self, kind: str, num_tokens: np.ndarray) -> np.ndarray:
+        """Vectorised ``cost``: num_tokens [N] -> seconds [N]."""
+        _validate_kind(kind)
+        num_tokens = np.asarray(num_tokens, dtype=np.float64)
+        observed = self._mass[kind] > 0
+        if not observed.any():
+            return np.where(num_tokens > 0, 1.0 if kind == "target" else 0.0, 0.0)
+        knots, values = self.token_counts[observed], self._knot_values(kind)[observed]
+        # a pass over more tokens never costs less: knots fed by different step mixes (prefill
+        # chunks, long and short contexts) can disagree, and a dip would read as free tokens
+        values = np.maximum.accumulate(values)
+        slope = max(0.0, (values[-1] - values[-2]) / (knots[-1] - knots[-2])) if knots.shape[0] > 1 else 0.0
+        inside = np.interp(num_tokens, knots, values)
+        beyond = values[-1] + slope * (num_tokens - knots[-1])
+        return np.where(num_tokens <= 0, 0.0, np.where(num_tokens > knots[-1], beyond, inside))
+
+    def cost(self, kind: str, num_tokens: int) -> float:
+        return float(self.costs(kind, np.asarray([num_tokens]))[0])
+
+    def calibrate(
+        self,
+        run_fn: Callable[[str, int], object],
+        kinds: Sequence[str] = ("target",),
+        token_counts: Sequence[int] | None = None,
+        num_warmup: int = 1,
+        num_repeats: int = 3,
+        timer: Callable[[], float] = time.perf_counter,
+    ) -> dict[tuple[str, int], float]:
+        """Time ``run_fn(kind, num_tokens)`` (which must block until the device is done, e.g.
+        end with torch.cuda.synchronize()) and store the median of ``num_repeats`` runs;
+        knots are overwritten, other counts are observed. Returns {(kind, n): seconds}."""
+        measured = {}
+        for kind in kinds:
+            _validate_kind(kind)
+            for num_tokens in token_counts or [int(n) for n in self.token_counts if n <= 64]:
+                for _ in range(num_warmup):
+                    run_fn(kind, num_tokens)
+                samples = []
+                for _ in range(max(1, num_repeats)):
+                    start = timer()
+                    run_fn(kind, num_tokens)
+                    samples.append(timer() - start)
+                seconds = float(np.median(samples))
+                if num_tokens in self.token_counts:
+                    self.set(kind, num_tokens, seconds)
+                else:
+                    self.observe(kind, num_tokens, seconds)
+                measured[(kind, num_tokens)] = seconds
+        return measured
