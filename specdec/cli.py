@@ -29,6 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     g.add_argument("--no-speculation", action="store_true", help="with the default model: turn the draft off")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true", help="GPUs: no CUDA/HIP graphs")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the target over N ranks (one process each; torchrun-started ranks too)")
 
 
 def engine_kwargs(args) -> dict:
@@ -40,6 +42,7 @@ def engine_kwargs(args) -> dict:
         enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
         quantization=args.quantization, num_threads=args.num_threads,
         enforce_eager=getattr(args, "enforce_eager", False),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )
     k = args.num_speculative_tokens
     if k is not None and k != "auto":

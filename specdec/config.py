@@ -30,6 +30,8 @@ class SpeculativeConfig:
     # expected acceptance pays for their verification rows under the measured step costs are sent
     tree_topk: int = 1
     tree_nodes: int | None = None  # default: 3 * K (3 * max_num_speculative_tokens for "auto")
+    # tensor parallelism: 1 runs a whole draft model on every rank; the target's size shards it too
+    draft_tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -135,9 +137,10 @@ class EngineConfig:
     enforce_eager: bool = False  # GPUs: no CUDA/HIP graphs for decode and verify steps (as vLLM's flag)
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     spec_cost_calibration: bool = True
+    tensor_parallel_size: int = 1  # ranks the target is sharded over (one process per rank)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -151,6 +154,10 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        spec = self.speculative_config
+        if spec is not None and spec.draft_tensor_parallel_size not in (1, self.tensor_parallel_size):
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size must be 1 or tensor_parallel_size "
+                             f"({self.tensor_parallel_size}), got {spec.draft_tensor_parallel_size!r}")
         if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
             self.max_num_batched_tokens = self.max_model_len
 

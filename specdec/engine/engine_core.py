@@ -39,11 +39,16 @@ class EngineCore:
         self.vocab_size = info.vocab_size
         self.eos_token_ids = info.eos_token_ids
         self.generation_defaults = info.generation_defaults
-        shared = share_weights_with.executor.driver_worker.runner.model if share_weights_with else None
-        worker = Worker(config, info.model_path, info.model_config, info.vocab_size, info.max_model_len,
-                        info.eos_token_ids, shared_model=shared)
+        worker_args = (info.model_path, info.model_config, info.vocab_size, info.max_model_len, info.eos_token_ids)
+        if config.tensor_parallel_size > 1:
+            from specdec.executor.multiproc_executor import MultiprocExecutor
+
+            self.executor = MultiprocExecutor(config, worker_args)
+        else:
+            shared = share_weights_with.executor.driver_worker.runner.model if share_weights_with else None
+            self.executor = UniprocExecutor(Worker(config, *worker_args, shared_model=shared))
+        worker = self.executor.driver_worker
         self.device, self.dtype = worker.device, worker.dtype
-        self.executor = UniprocExecutor(worker)
         self.kv = KVCacheManager(self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,

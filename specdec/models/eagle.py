@@ -72,7 +72,12 @@ class EagleHead(nn.Module):
         LM head as a plain weight: attach before ``prepare_for_inference`` packs it."""
         self.draft_vocab = None if token_ids is None else token_ids.to(torch.long)
         self._vocab_weight = None
-        if token_ids is not None and self.target:
+        if token_ids is not None and self.target and hasattr(self.target[0].lm_head, "weight_rows"):
+            # a vocabulary-parallel LM head: every rank gathers the rows of the draft vocabulary
+            lm_head = self.target[0].lm_head
+            self.draft_vocab = self.draft_vocab.to(lm_head.linear.weight.device)
+            self._vocab_weight = lm_head.weight_rows(self.draft_vocab).contiguous()
+        elif token_ids is not None and self.target:
             weight = getattr(self.target[0].lm_head, "weight", None)
             if weight is None:
                 raise ValueError("the target's LM head is already packed/quantized: attach the EAGLE head first")

@@ -200,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
             attn = self.layers[0].self_attn
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
         else:
-            sizes = [self.config.intermediate_size] * 2
+            sizes = [self.layers[0].mlp.intermediate_size] * 2
         offset = sum(sizes[:shard])
         _copy_checked(param.data.narrow(0, offset, sizes[shard]), tensor, name.replace(fused, f"{fused}[{shard}]"))
 

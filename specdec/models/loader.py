@@ -61,22 +61,31 @@ def _safetensors_files(path: str) -> list[Path]:
     return files
 
 
-def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(path: str, slicer=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint weight; with ``slicer`` (tensor parallelism) only this
+    rank's slice of each is read."""
     for file in _safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, (f.get_tensor(name) if slicer is None else slicer.read(name, f.get_slice(name)))
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, attn_backend: AttentionBackend = TORCH_BACKEND,
-               config=None):
+               config=None, tp=None):
+    """``tp``: a ``TensorParallelGroup``; the model is built, read and wired as this rank's shard."""
     config = config or load_config(path)
     cls = get_model_class(config)
     torch_default = torch.get_default_dtype()
+    slicer = None
     try:
         torch.set_default_dtype(dtype)
         with torch.device("meta"):  # no random init: every weight is overwritten by the checkpoint
             model = cls(config, attn_backend=attn_backend)
+            if tp is not None and tp.world_size > 1:
+                from specdec.distributed.tensor_parallel import ShardSlicer, shard_shapes
+
+                shard_shapes(model, tp)
+                slicer = ShardSlicer(model.tensor_parallel_split)
     finally:
         torch.set_default_dtype(torch_default)
     model = model.to_empty(device=device)
@@ -85,5 +94,9 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, attn_backend
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_tables()
-    model.load_weights(iterate_weights(path))
+    model.load_weights(iterate_weights(path, slicer))
+    if slicer is not None:
+        from specdec.distributed.tensor_parallel import wrap_collectives
+
+        wrap_collectives(model, tp)
     return model.eval().requires_grad_(False)

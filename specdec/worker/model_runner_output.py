@@ -22,3 +22,4 @@ class ModelRunnerOutput:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     sampling_seconds: float = 0.0
+    comm_seconds: float = 0.0  # tensor parallelism: inside the model's collectives (part of the above)

@@ -46,10 +46,10 @@ def num_kv_blocks(cfg: EngineConfig, device, bytes_per_block: int, max_model_len
 
 
 def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_size: int, max_model_len: int,
-                       shared_model=None) -> WorkerParts:
+                       shared_model=None, tp=None) -> WorkerParts:
     """``shared_model``: use these target weights instead of loading a copy (benchmarks that
-    compare proposers over one set of weights)."""
-    device = resolve_device(cfg.device)
+    compare proposers over one set of weights). ``tp``: this rank's ``TensorParallelGroup``."""
+    device = tp.device if tp is not None else resolve_device(cfg.device)
     apply_platform_defaults(device)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -57,7 +57,7 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
     dtype = resolve_dtype(cfg.dtype, device)
     attn_backend = _attention_backend(cfg, device)
     model = shared_model if shared_model is not None else load_model(model_path, dtype, device, attn_backend,
-                                                                     model_config)
+                                                                     model_config, tp=tp)
     spec = cfg.speculative_config
     max_k = spec.num_spec_slots if spec else 0
     bytes_per_block = ModelRunner.kv_bytes_per_block(model_config, cfg.block_size, dtype)
@@ -66,8 +66,9 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
         draft_path = resolve_model_path(spec.model)
         draft_cfg = load_config(draft_path)
         draft_dtype = dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, device)
+        draft_tp = tp if spec.draft_tensor_parallel_size > 1 else None
         draft_model = prepare_for_inference(
-            load_model(draft_path, draft_dtype, device, attn_backend, draft_cfg), spec.quantization, device)
+            load_model(draft_path, draft_dtype, device, attn_backend, draft_cfg, tp=draft_tp), spec.quantization, device)
         bytes_per_block += ModelRunner.kv_bytes_per_block(draft_cfg, cfg.block_size, draft_dtype)
     eagle = spec is not None and spec.method == "eagle"
     if eagle:
@@ -85,10 +86,13 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
     if shared_model is None:
         model = prepare_for_inference(model, cfg.quantization, device)
     num_blocks = num_kv_blocks(cfg, device, bytes_per_block, max_model_len, max_k)
+    if tp is not None:  # one block pool serves every rank: the smallest cache decides
+        num_blocks = tp.min_int(num_blocks)
     runner = ModelRunner(model, num_blocks, cfg.block_size, device, dtype, reuse_logits=True)
     draft_runner = ModelRunner(draft_model, num_blocks, cfg.block_size, device, draft_dtype) if draft_model else None
     # EAGLE reads the target's hidden states, which captured graphs do not return: eager there
-    if device.type == "cuda" and attn_backend.name == "triton" and not cfg.enforce_eager and not eagle:
+    # collectives are not captured in graphs yet: tensor-parallel ranks run eagerly
+    if device.type == "cuda" and attn_backend.name == "triton" and not cfg.enforce_eager and not eagle and tp is None:
         _enable_graphs(cfg, runner, draft_runner, max_model_len, spec)
     proposer = build_proposer(spec, draft_runner, vocab_size) if spec else None
     return WorkerParts(device, dtype, runner, draft_runner, proposer, ChainVerifier(_rejection_sampler(device)),

@@ -28,8 +28,9 @@ from specdec.worker.target_inputs import TargetInputs, prepare_target
 
 class Worker:
     def __init__(self, cfg: EngineConfig, model_path: str, model_config, vocab_size: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...], shared_model=None):
-        parts = build_worker_parts(cfg, model_path, model_config, vocab_size, max_model_len, shared_model)
+                 eos_token_ids: tuple[int, ...], shared_model=None, tp=None):
+        parts = build_worker_parts(cfg, model_path, model_config, vocab_size, max_model_len, shared_model, tp)
+        self.tp = tp  # TensorParallelGroup, or None on one device
         self.device = parts.device
         self.dtype = parts.dtype
         self.runner = parts.runner
@@ -63,6 +64,8 @@ class Worker:
         t3 = time.perf_counter()
         out = self._output(reqs, sched, proposal, inputs, verification, logits, hidden)
         out.draft_seconds, out.target_seconds, out.sampling_seconds = t1 - t0, t2 - t1, t3 - t2
+        if self.tp is not None:
+            out.comm_seconds = self.tp.take_comm_seconds()
         return out
 
     def _update_states(self, sched: SchedulerOutput) -> list[CachedRequestState]:

@@ -1,0 +1,163 @@
+"""Tensor parallelism: one worker process per rank, rank 0 (the driver) in the engine's process.
+
+Each step the driver broadcasts the ``SchedulerOutput`` (pickled over the process group); every
+rank runs the same step on its shard. Row-parallel layers all-reduce and the LM head gathers the
+whole vocabulary, so every rank holds identical logits and draws identical random numbers (the
+same seed, the same order): every rank samples the same tokens, and a checksum collective per
+step proves it. Only the driver's ``ModelRunnerOutput`` is used.
+
+Ranks are spawned here (torch.multiprocessing, spawn) on one node, or were started by torchrun /
+any launcher that sets ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``: then every
+rank runs the same command and the ranks above 0 serve the driver until it stops, then exit.
+A rank that dies or hangs makes the driver raise within the process group's timeout
+(``SPECDEC_DIST_TIMEOUT``, 30 s by default), naming the rank where it can.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import weakref
+
+import torch
+
+from specdec.distributed.parallel_state import (
+    TensorParallelGroup,
+    init_tensor_parallel,
+    launched_by_torchrun,
+    timeout_seconds,
+)
+from specdec.engine.scheduler_output import SchedulerOutput
+from specdec.executor.executor import Executor
+from specdec.worker.model_runner_output import ModelRunnerOutput
+from specdec.worker.worker import Worker
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _set_threads(cfg, world: int, device_type: str) -> None:
+    if cfg.num_threads is None and device_type == "cpu":  # ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+
+def _device_type(cfg) -> str:
+    from specdec.worker.device import resolve_device
+
+    return resolve_device(cfg.device).type
+
+
+def _serve(worker: Worker, tp: TensorParallelGroup) -> None:
+    """A non-driver rank: run what the driver broadcasts until it says stop."""
+    while True:
+        command, payload = tp.broadcast_object()
+        if command == "execute":
+            out = worker.execute(payload)
+            tp.check_same(out.sampled_token_ids)
+        elif command == "finish":
+            worker.finish_requests(payload)
+        elif command == "rpc":
+            name, args = payload
+            getattr(worker, name)(*args)
+        elif command == "stop":
+            return
+
+
+def _rank_main(rank: int, world: int, init_method: str, cfg, worker_args: tuple) -> None:
+    device_type = _device_type(cfg)
+    _set_threads(cfg, world, device_type)
+    tp = init_tensor_parallel(rank, world, device_type, init_method)
+    _serve(Worker(cfg, *worker_args, tp=tp), tp)
+    torch.distributed.destroy_process_group()
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, cfg, worker_args: tuple):
+        """``worker_args``: what ``Worker`` takes after the config (model path, config, vocab
+        size, max_model_len, EOS ids)."""
+        world = cfg.tensor_parallel_size
+        device_type = _device_type(cfg)
+        _set_threads(cfg, world, device_type)
+        self._procs = []
+        if launched_by_torchrun():
+            rank, launched = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            if launched != world:
+                raise ValueError(f"tensor_parallel_size {world} but the launcher started {launched} ranks")
+            tp = init_tensor_parallel(rank, world, device_type, "env://", int(os.environ.get("LOCAL_RANK", rank)))
+            if rank != 0:  # this process only serves the driver
+                _serve(Worker(cfg, *worker_args, tp=tp), tp)
+                torch.distributed.destroy_process_group()
+                sys.exit(0)
+        else:
+            if device_type == "cuda" and world > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs; "
+                                 f"{torch.cuda.device_count()} are visible")
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            ctx = torch.multiprocessing.get_context("spawn")
+            for rank in range(1, world):
+                proc = ctx.Process(target=_rank_main, args=(rank, world, init_method, cfg, worker_args),
+                                   name=f"specdec-tp-rank{rank}", daemon=True)
+                proc.start()
+                self._procs.append(proc)
+            tp = init_tensor_parallel(0, world, device_type, init_method)
+        self.tp = tp
+        self.driver_worker = Worker(cfg, *worker_args, tp=tp)
+        self._stopped = False
+        self._finalizer = weakref.finalize(self, _stop, tp, self._procs)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.driver_worker.num_kv_blocks
+
+    def _send(self, command: str, payload=None) -> float:
+        self._check_ranks()
+        started = time.perf_counter()
+        self.tp.broadcast_object((command, payload))
+        return time.perf_counter() - started
+
+    def _check_ranks(self) -> None:
+        for rank, proc in enumerate(self._procs, start=1):
+            if not proc.is_alive():
+                self.shutdown()
+                raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.exitcode}); the engine stops")
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        broadcast = self._send("execute", sched)
+        out = self.driver_worker.execute(sched)
+        self.tp.check_same(out.sampled_token_ids)
+        out.comm_seconds += broadcast
+        return out
+
+    def finish_requests(self, num_tokens: dict[str, int]) -> None:
+        self._send("finish", num_tokens)
+        self.driver_worker.finish_requests(num_tokens)
+
+    def collective_rpc(self, method: str, *args):
+        self._send("rpc", (method, args))
+        return getattr(self.driver_worker, method)(*args)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _stop(tp: TensorParallelGroup, procs: list) -> None:
+    """Tell the ranks to stop (if they still listen), wait a little, then make sure they are gone."""
+    if all(p.is_alive() for p in procs):
+        try:
+            tp.broadcast_object(("stop", None))
+        except Exception:  # noqa: BLE001 - a broken group: the ranks are terminated below
+            pass
+    deadline = time.monotonic() + min(5.0, timeout_seconds())
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    try:
+        torch.distributed.destroy_process_group()
+    except Exception:  # noqa: BLE001 - already gone
+        pass

@@ -1,0 +1,168 @@
+"""Tensor parallelism on CPU over gloo, 2 ranks (float32): every output equals one device's.
+
+Each TP engine spawns one extra process (rank 1); the driver is this process. Greedy outputs
+must equal ``tensor_parallel_size=1`` token for token, plain and with every proposer, in mixed
+batches with preemption; logprobs agree within 1e-5 relative; seeded sampling draws the same
+tokens; a killed rank makes the engine raise and leaves no process behind.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+
+ENGINE = dict(dtype="float32", device="cpu", max_model_len=96)
+MAX_TOKENS = 16
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_path, prompts) -> dict[str, list[int]]:
+    outs = LLM(model=llama_path, **ENGINE).generate(prompts, greedy(), use_tqdm=False)
+    return {p: o.outputs[0].token_ids for p, o in zip(prompts, outs)}
+
+
+def tp_llm(path: str, spec: dict | None = None, **kw) -> LLM:
+    return LLM(model=path, tensor_parallel_size=2, speculative_config=spec, **{**ENGINE, **kw})
+
+
+def assert_clean(llm: LLM) -> None:
+    engine = llm.engine
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks and not engine.kv.req_blocks
+    assert not engine.executor.driver_worker.requests  # the driver rank holds no request state
+
+
+def stop(llm: LLM) -> None:
+    procs = list(llm.engine.executor._procs)
+    llm.engine.executor.shutdown()
+    assert all(not p.is_alive() for p in procs)
+
+
+def test_plain_decoding_and_logprobs_equal_one_device(llama_path, prompts, reference):
+    one = LLM(model=llama_path, **ENGINE).generate(prompts[:6], greedy(logprobs=3), use_tqdm=False)
+    llm = tp_llm(llama_path)
+    worker = llm.engine.executor.driver_worker
+    assert worker.runner.model.num_kv_heads == 1 and worker.runner.kv_caches[0].shape[3] == 1  # 2 KV heads / 2 ranks
+    outs = llm.generate(prompts, greedy(logprobs=3), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in prompts]
+    for a, b in zip(one, outs):
+        for da, db in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert da.keys() == db.keys()
+            for t in da:
+                assert db[t] == pytest.approx(da[t], rel=1e-5, abs=1e-6)
+    assert llm.get_metrics()["num_steps"] > 0
+    assert_clean(llm)
+    stop(llm)
+
+
+@pytest.mark.parametrize("draft_tp, tree", [(1, None), (2, {"tree_topk": 2, "tree_nodes": 6})],
+                         ids=["draft-tp1-chain", "draft-tp2-tree"])
+def test_draft_model_under_tp_is_greedy_identical_with_preemption(draft_tp, tree, llama_path, noisy_draft_path,
+                                                                  prompts, reference):
+    spec = {"method": "draft_model", "model": noisy_draft_path, "num_speculative_tokens": 3,
+            "draft_tensor_parallel_size": draft_tp, **(tree or {})}
+    # a small cache: requests are preempted and recomputed
+    llm = tp_llm(llama_path, spec, block_size=8, kv_cache_memory=40 * 2 * 8 * 2 * 2 * 16 * 4 * 2)
+    outs = llm.generate(prompts[:12], greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in prompts[:12]]
+    m = llm.get_metrics()
+    assert m["num_draft_tokens"] > 0 and m["num_accepted_tokens"] > 0 and m["num_preemptions"] > 0
+    assert_clean(llm)
+    stop(llm)
+
+
+def test_ngram_and_seeded_sampling_under_tp(llama_path, prompts, reference):
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_TOKENS, seed=100 + i, ignore_eos=True)
+              for i in range(4)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    one = LLM(model=llama_path, speculative_config=spec, **ENGINE).generate(prompts[:4], params, use_tqdm=False)
+    llm = tp_llm(llama_path, spec)
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in prompts]
+    sampled = llm.generate(prompts[:4], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in sampled] == [o.outputs[0].token_ids for o in one]
+    assert_clean(llm)
+    stop(llm)
+
+
+@pytest.mark.parametrize("tree", [None, {"tree_topk": 2, "tree_nodes": 6}], ids=["chain", "tree"])
+def test_eagle_under_tp_is_greedy_identical(tree, llama_path, prompts, reference, tmp_path_factory):
+    from specdec.models.eagle import init_head, save_head
+    from specdec.models.loader import load_model
+
+    head = init_head(load_model(llama_path, torch.float32, torch.device("cpu")), seed=1)
+    folder = tmp_path_factory.mktemp("tp_eagle") / "head"
+    save_head(head, folder)
+    llm = tp_llm(llama_path, {"method": "eagle", "model": str(folder), "num_speculative_tokens": 3, **(tree or {})})
+    outs = llm.generate(prompts[:8], greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in prompts[:8]]
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+    assert_clean(llm)
+    stop(llm)
+
+
+def test_a_killed_rank_makes_the_engine_raise_and_leaves_no_process(llama_path, prompts):
+    llm = tp_llm(llama_path)
+    proc = llm.engine.executor._procs[0]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1"):
+        llm.generate(prompts[:2], greedy(), use_tqdm=False)
+    assert time.monotonic() - started < 30
+    assert not proc.is_alive()
+
+
+def test_start_up_errors_name_the_limit(llama_path, make_model):
+    odd = make_model("tp_odd_heads", arch="llama", num_heads=3, num_kv_heads=1, hidden_size=48)
+    with pytest.raises(ValueError, match="does not divide the model's attention heads"):
+        tp_llm(odd)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        LLM(model=llama_path, tensor_parallel_size=0, **ENGINE)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size must be 1 or tensor_parallel_size"):
+        LLM(model=llama_path, tensor_parallel_size=2, **ENGINE,
+            speculative_config={"method": "ngram", "draft_tensor_parallel_size": 3})
+
+
+SCRIPT = """
+import sys
+from specdec import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], tensor_parallel_size=2, dtype="float32", device="cpu", max_model_len=96)
+out = llm.generate([sys.argv[2]], SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True),
+                   use_tqdm=False)
+print("TOKENS", out[0].outputs[0].token_ids)
+"""
+
+
+def test_torchrun_two_nodes_on_loopback(llama_path, prompts, reference, tmp_path):
+    """Two "nodes" of one rank each, started by torchrun on 127.0.0.1: every rank runs the same
+    script; rank 0 drives and prints, rank 1 serves it and exits 0."""
+    from specdec.executor.multiproc_executor import _free_port
+
+    script = tmp_path / "run_tp.py"
+    script.write_text(SCRIPT)
+    port = _free_port()
+    prompt = prompts[0]
+
+    def node(rank: int) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                str(script), llama_path, prompt, str(MAX_TOKENS)]
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(node(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert f"TOKENS {reference[prompt]}" in outs[0][0]
+    assert "TOKENS" not in outs[1][0]
