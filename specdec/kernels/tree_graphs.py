@@ -30,6 +30,11 @@ class TreeGraph:
         if max_query_len < 1 or max_tree_keys < 1:
             raise ValueError(f"TreeGraph needs max_query_len >= 1 and max_tree_keys >= 1, got "
                              f"{max_query_len} and {max_tree_keys}")
+        backend = getattr(model.layers[0].self_attn, "backend", None)
+        if getattr(backend, "name", None) != "triton":
+            # the torch paths read the host copy of query_start_loc, which a graph fixes at capture
+            raise ValueError(f"tree graphs need attention_backend 'triton' (the model's is "
+                             f"{getattr(backend, 'name', None)!r})")
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
         self.max_query_len = max_query_len
         self.num_words = num_words_for(max_tree_keys)

@@ -22,7 +22,7 @@ def test_tree_steps_through_graphs_stay_lossless(llama_path, noisy_draft_path, p
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     plain = LLM(model=llama_path, **ENGINE)
     expected = [o.outputs[0].token_ids for o in plain.generate(chosen, params, use_tqdm=False)]
-    llm = LLM(model=llama_path, attention_backend="triton", **ENGINE, enforce_eager=True,
+    llm = LLM(model=llama_path, attention_backend="triton", **ENGINE,
               speculative_config={"method": "draft_model", "model": noisy_draft_path, "num_speculative_tokens": 3,
                                   "tree_topk": 2, "tree_nodes": 6})
     engine = llm.engine

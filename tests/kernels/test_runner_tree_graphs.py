@@ -87,3 +87,9 @@ def test_trees_past_the_captured_shape_run_eagerly(runners):
     step(runners, [[3] + list(range(4, 12))], [0], [[12, 13, 14]], [[-1] * 8], expect_graph=False)
     # five requests: more than the largest captured batch
     step(runners, [[3, 4]] * 5, [0] * 5, [[15 + i] for i in range(5)], [[-1]] * 5, expect_graph=False)
+
+
+def test_tree_graphs_refuse_a_backend_that_reads_host_layouts(runners):
+    reference = runners[2]
+    with pytest.raises(ValueError, match="attention_backend 'triton'"):
+        reference.enable_tree_graphs([1], 4, 3, max_blocks_per_seq=2, use_graphs=False)
