@@ -58,8 +58,8 @@ def _paged_attention_kernel(
     tree_base_ptr, tree_bits_ptr,  # [num_reqs] int64, [T, num_words] int32 (read only with HAS_TREE)
     scale_log2e, num_reqs, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kv, stride_kb, stride_ks, stride_kh, stride_bt, stride_tree,
-    HAS_TREE: tl.constexpr,
+    stride_kv, stride_kb, stride_ks, stride_kh, stride_bt, stride_tree, num_tree_words,
+    HAS_TREE: tl.constexpr, TREE_WORDS: tl.constexpr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr, IEEE_FP32_DOT: tl.constexpr,
@@ -122,13 +122,20 @@ def _paged_attention_kernel(
         s = s * scale_log2e  # [BLOCK_M, BLOCK_N], log2 domain
         visible = n_valid[None, :] & (offs_n[None, :] <= causal_limit[:, None])
         if HAS_TREE:
-            rel = offs_n - tree_base  # [BLOCK_N] key index within the tree
-            in_tree = n_valid & (rel >= 0)
-            rel = tl.where(in_tree, rel, 0)  # keeps the word index and shift in range where unused
-            word = tl.load(tree_bits_ptr + token[:, None] * stride_tree + (rel // 32)[None, :],
-                           mask=row_valid[:, None] & in_tree[None, :], other=0)  # [BLOCK_M, BLOCK_N] int32
-            bit = (word >> (rel % 32)[None, :]) & 1
-            visible = visible & ((bit != 0) | ~in_tree[None, :])
+            if kv_tile * BLOCK_N + BLOCK_N > tree_base:  # the tile holds tree keys
+                # bits are aligned to absolute key positions (specdec.layers.tree_mask), so this
+                # tile's keys are bits of TREE_WORDS consecutive words per row: vector loads, not
+                # a [BLOCK_M, BLOCK_N] gather, whose pointers alone would spill registers
+                in_tree = n_valid & (offs_n >= tree_base)  # [BLOCK_N]
+                first_word = kv_tile * TREE_WORDS - tree_base // 32  # the tile's first word (< 0: before base)
+                seen = ~in_tree[None, :]  # [1, BLOCK_N] keys before base: the causal rule alone
+                for w in tl.static_range(TREE_WORDS):
+                    word_index = token * 0 + first_word + w  # [BLOCK_M]
+                    row_word = tl.load(tree_bits_ptr + token * stride_tree + word_index, other=0,
+                                       mask=row_valid & (word_index >= 0) & (word_index < num_tree_words))
+                    bit = ((row_word[:, None] >> (offs_n % 32)[None, :]) & 1) != 0  # [BLOCK_M, BLOCK_N]
+                    seen = seen | (bit & ((offs_n % BLOCK_N) // 32 == w)[None, :])
+                visible = visible & seen
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -193,12 +200,13 @@ def choose_num_kv_splits(num_tiles: int, num_kv_heads: int, max_seq_len: int, bl
     return max(1, min(_MAX_KV_SPLITS, by_occupancy, by_length))
 
 
-def tile_sizes(max_query_len: int, group: int, head_dim: int) -> tuple[int, int, int]:
+def tile_sizes(max_query_len: int, group: int, head_dim: int, tree: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_Q, BLOCK_N). BLOCK_M rows = BLOCK_Q query tokens x GROUP heads; 16 rows
-    (the smallest tl.dot tile) for decode and verification, up to 128 for prefill."""
+    (the smallest tl.dot tile) for decode and verification, up to 128 for prefill. A tree step's
+    128-row tiles take 32 keys at a time: the mask's per-key work at 64 spills registers on gfx942."""
     block_m = min(128, max(16, next_power_of_2(max(1, max_query_len) * group)))
     block_m = max(block_m, next_power_of_2(group))
-    block_n = 64 if head_dim <= 128 else 32
+    block_n = 64 if head_dim <= 128 and not (tree and block_m > 64) else 32
     return block_m, block_m // group, block_n
 
 
@@ -223,7 +231,8 @@ def paged_attention_triton(
         out = torch.empty_like(query)
     if num_tokens == 0 or num_reqs == 0:
         return out
-    block_m, block_q, block_n = tile_sizes(meta.max_query_len, group, head_dim)
+    tree = meta.packed_tree()
+    block_m, block_q, block_n = tile_sizes(meta.max_query_len, group, head_dim, tree is not None)
     grid_tiles = num_tokens // block_q + num_reqs  # upper bound, no host sync
     if num_kv_splits is None:
         qsl = meta.query_start_loc_cpu
@@ -236,8 +245,10 @@ def paged_attention_triton(
         partial_lse = torch.empty(num_tokens, num_heads, num_kv_splits, dtype=torch.float32, device=query.device)
     else:
         partial_out = partial_lse = out  # unused
-    tree = meta.packed_tree()
-    tree_base, tree_bits = (meta.seq_lens, meta.seq_lens) if tree is None else (tree.base, tree.bits)  # unused: none
+    if tree is None:  # pointers the kernel never reads
+        tree_base, tree_bits, stride_tree, num_tree_words = meta.seq_lens, meta.seq_lens, 0, 0
+    else:
+        tree_base, tree_bits, stride_tree, num_tree_words = tree.base, tree.bits, tree.bits.stride(0), tree.bits.shape[1]
     upcast = DEFINED_FOR_INTERPRETER  # the interpreter cannot do bf16 arithmetic or bf16 tl.dot
     _paged_attention_kernel[(grid_tiles, num_kv_heads, num_kv_splits)](
         out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -245,7 +256,7 @@ def paged_attention_triton(
         scale * _LOG2E, num_reqs, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
-        tree_bits.stride(0), HAS_TREE=tree is not None,
+        stride_tree, num_tree_words, HAS_TREE=tree is not None, TREE_WORDS=block_n // 32,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=meta.block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         UPCAST=upcast, IEEE_FP32_DOT=query.dtype == torch.float32,

@@ -49,7 +49,7 @@ class TreeGraph:
                 or meta.block_tables.shape[1] > self.max_blocks:
             return False
         widths = [m[1].shape[1] for m in meta.tree_masks or () if m is not None]
-        return max(widths, default=0) <= self.num_words * 32
+        return num_words_for(max(widths, default=0)) <= self.num_words
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             logits_indices: torch.Tensor) -> torch.Tensor:  # [N, V] float32, a copy of the graph's rows

@@ -3,8 +3,10 @@
 ``AttentionMetadata.tree_masks`` gives, per request, ``(base, mask [q_len, seq_len - base])``.
 Packed, the step's tree masks become two tensors: the first tree key of each request
 (``base``; a causal request gets its ``seq_len``, so it has no tree keys) and, per flat query
-row, one bit per tree key (bit c of row t: row t sees key ``base + c``). Every layer of a
-step reads the same packed form, and a graph captures fixed-size buffers of it.
+row, one bit per tree key, aligned to the key's absolute position: key n's bit is bit
+``n % 32`` of word ``n // 32 - base // 32``. The alignment lets a kernel's tile of 32k keys
+read exactly k words per row, whatever the base. Every layer of a step reads the same packed
+form, and a graph captures fixed-size buffers of it.
 
 The rule both the reference and the kernels apply: query row t sees key n iff n is at or
 before t's own slot (causal) and (n < base or its bit is set).
@@ -21,34 +23,33 @@ BITS_PER_WORD = 32
 @dataclass
 class PackedTreeMask:
     base: torch.Tensor  # [num_reqs] int64, first tree key position (seq_len for a causal request)
-    bits: torch.Tensor  # [num_tokens, num_words] int32, bit c of row t: row t sees key base + c
-
-    @property
-    def max_tree_keys(self) -> int:
-        return self.bits.shape[1] * BITS_PER_WORD
+    bits: torch.Tensor  # [num_tokens, num_words] int32, key n's bit: bit n % 32 of word n // 32 - base // 32
 
 
 def num_words_for(num_tree_keys: int) -> int:
-    return max(1, -(-num_tree_keys // BITS_PER_WORD))
+    """Words that hold a mask of this many keys at any alignment."""
+    return max(1, -(-(num_tree_keys + BITS_PER_WORD - 1) // BITS_PER_WORD))
 
 
-def pack_rows(mask: torch.Tensor, num_words: int) -> torch.Tensor:  # [q, W] bool -> [q, num_words] int32
-    """Bit c of word c // 32 of each row is ``mask[row, c]`` (two's complement for bit 31)."""
+def pack_rows(mask: torch.Tensor, num_words: int, offset: int = 0) -> torch.Tensor:  # [q, W] bool -> [q, words] int32
+    """Bit offset + c (of word (offset + c) // 32) of each row is ``mask[row, c]`` (two's
+    complement for bit 31)."""
     rows, width = mask.shape
-    if width > num_words * BITS_PER_WORD:
-        raise ValueError(f"a tree mask of {width} keys does not fit {num_words} words of {BITS_PER_WORD} bits")
+    if offset + width > num_words * BITS_PER_WORD:
+        raise ValueError(f"a tree mask of {width} keys at bit {offset} does not fit {num_words} words of "
+                         f"{BITS_PER_WORD} bits")
     padded = torch.zeros(rows, num_words * BITS_PER_WORD, dtype=torch.int64, device=mask.device)
-    padded[:, :width] = mask
+    padded[:, offset:offset + width] = mask
     weights = torch.ones(BITS_PER_WORD, dtype=torch.int64, device=mask.device) << torch.arange(
         BITS_PER_WORD, device=mask.device)
     words = (padded.view(rows, num_words, BITS_PER_WORD) * weights).sum(-1)  # [q, num_words] in [0, 2^32)
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
-def unpack_rows(bits: torch.Tensor, width: int) -> torch.Tensor:  # [q, num_words] int32 -> [q, width] bool
+def unpack_rows(bits: torch.Tensor, width: int, offset: int = 0) -> torch.Tensor:  # [q, words] -> [q, width] bool
     shifts = torch.arange(BITS_PER_WORD, device=bits.device)
     flat = ((bits.to(torch.int64)[:, :, None] >> shifts) & 1).reshape(bits.shape[0], -1)
-    return flat[:, :width].bool()
+    return flat[:, offset:offset + width].bool()
 
 
 def pack_tree_masks(
@@ -76,5 +77,6 @@ def pack_tree_masks(
     for r, tree in enumerate(tree_masks):
         if tree is not None:
             base[r] = tree[0]
-            bits[query_start_loc_cpu[r]:query_start_loc_cpu[r + 1]] = pack_rows(tree[1].to(device), num_words)
+            rows = slice(query_start_loc_cpu[r], query_start_loc_cpu[r + 1])
+            bits[rows] = pack_rows(tree[1].to(device), num_words, tree[0] % BITS_PER_WORD)
     return PackedTreeMask(torch.tensor(base, dtype=torch.int64, device=device), bits)

@@ -3,28 +3,31 @@ import pytest
 import torch
 
 from specdec.layers.attention import AttentionMetadata, paged_attention_reference, paged_attention_torch
-from specdec.layers.tree_mask import pack_rows, pack_tree_masks, unpack_rows
+from specdec.layers.tree_mask import num_words_for, pack_rows, pack_tree_masks, unpack_rows
 from specdec.spec.tree import ancestor_mask
 
 
-@pytest.mark.parametrize("width", [1, 31, 32, 33, 70])
-def test_pack_rows_round_trips_every_bit(width):
+@pytest.mark.parametrize("width, offset", [(1, 0), (31, 1), (32, 0), (33, 31), (70, 5)])
+def test_pack_rows_round_trips_every_bit(width, offset):
     gen = torch.Generator().manual_seed(width)
     mask = torch.rand(5, width, generator=gen) < 0.5
     mask[0] = True  # bit 31 set: the word is negative in int32
-    bits = pack_rows(mask, num_words=-(-width // 32))
-    assert bits.dtype == torch.int32 and bits.shape == (5, -(-width // 32))
-    assert torch.equal(unpack_rows(bits, width), mask)
-    if width >= 32:
-        assert int(bits[0, 0]) == -1
+    num_words = num_words_for(width)
+    bits = pack_rows(mask, num_words, offset)
+    assert bits.dtype == torch.int32 and bits.shape == (5, num_words)
+    assert torch.equal(unpack_rows(bits, width, offset), mask)
+    assert not unpack_rows(bits, offset).any()  # nothing below the offset
+    if offset + width >= 32:
+        assert int(bits[0, 0]) < 0
 
 
-def test_pack_tree_masks_puts_rows_in_place_and_bases_causal_requests_at_seq_len():
+def test_pack_tree_masks_aligns_bits_to_key_positions_and_bases_causal_requests_at_seq_len():
     mask = ancestor_mask([-1, 0, 0])  # [4, 3]
-    packed = pack_tree_masks([None, (10, mask)], [0, 2, 6], [7, 13], torch.device("cpu"))
-    assert packed.base.tolist() == [7, 10]
-    assert packed.bits.shape == (6, 1) and not packed.bits[:2].any()
-    assert torch.equal(unpack_rows(packed.bits[2:], 3), mask)
+    packed = pack_tree_masks([None, (30, mask)], [0, 2, 6], [7, 33], torch.device("cpu"))
+    assert packed.base.tolist() == [7, 30]
+    assert packed.bits.shape == (6, 2) and not packed.bits[:2].any()
+    # keys 30..32: bits 30, 31 of word 0 and bit 0 of word 1
+    assert torch.equal(unpack_rows(packed.bits[2:], 3, offset=30), mask)
 
 
 def test_pack_tree_masks_names_a_mask_that_does_not_fit():
