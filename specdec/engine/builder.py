@@ -199,9 +199,11 @@ def _enable_graphs(cfg: EngineConfig, runner, draft_runner, max_model_len: int, 
     if draft_runner is not None:
         draft_runner.enable_graphs(sizes, [1], max_blocks)
     if spec is not None and spec.is_tree:  # a tree step: the root row and up to num_tree_nodes nodes
-        runner.enable_tree_graphs(sizes, 1 + spec.num_tree_nodes, spec.num_tree_nodes, max_blocks)
+        rows = cfg.max_num_batched_tokens  # no step holds more
+        runner.enable_tree_graphs(sizes, 1 + spec.num_tree_nodes, spec.num_tree_nodes, max_blocks, max_rows=rows)
         if draft_runner is not None:  # a tree pass feeds <= tree_topk nodes, each seeing the nodes fed before
-            draft_runner.enable_tree_graphs(sizes, spec.tree_topk, spec.tree_topk * spec.max_k, max_blocks)
+            draft_runner.enable_tree_graphs(sizes, spec.tree_topk, spec.tree_topk * spec.max_k, max_blocks,
+                                            max_rows=rows)
 
 
 def _attention_backend(cfg: EngineConfig, device):

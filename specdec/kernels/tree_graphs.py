@@ -26,7 +26,7 @@ from specdec.layers.tree_mask import PackedTreeMask, num_words_for
 class TreeGraph:
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
                  batch_sizes: list[int], max_query_len: int, max_tree_keys: int, max_blocks_per_seq: int,
-                 use_graphs: bool | None = None):
+                 use_graphs: bool | None = None, max_rows: int | None = None):
         if max_query_len < 1 or max_tree_keys < 1:
             raise ValueError(f"TreeGraph needs max_query_len >= 1 and max_tree_keys >= 1, got "
                              f"{max_query_len} and {max_tree_keys}")
@@ -37,6 +37,8 @@ class TreeGraph:
                              f"{getattr(backend, 'name', None)!r})")
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
         self.max_query_len = max_query_len
+        # rows of a batch size's buffers: every request at its maximum, or the most a step holds
+        self.max_rows = max_rows
         self.num_words = num_words_for(max_tree_keys)
         self.max_blocks = max_blocks_per_seq
         self.runner = GraphRunner(self._forward, self._static_inputs, batch_sizes, device,
@@ -45,8 +47,9 @@ class TreeGraph:
 
     def fits(self, meta: AttentionMetadata) -> bool:
         """Whether a step's rows, masks and block table fit a captured shape."""
-        if self.runner.padded_size(meta.num_reqs) is None or meta.max_query_len > self.max_query_len \
-                or meta.block_tables.shape[1] > self.max_blocks:
+        padded = self.runner.padded_size(meta.num_reqs)
+        if padded is None or meta.max_query_len > self.max_query_len or meta.block_tables.shape[1] > self.max_blocks \
+                or meta.query_start_loc_cpu[-1] > self._rows(padded):
             return False
         widths = [m[1].shape[1] for m in meta.tree_masks or () if m is not None]
         return num_words_for(max(widths, default=0)) <= self.num_words
@@ -65,8 +68,12 @@ class TreeGraph:
             query_start_loc=qsl, tree_base=tree.base, tree_bits=tree.bits)
         return logits[logits_indices]
 
-    def _static_inputs(self, batch_size: int) -> dict[str, torch.Tensor]:
+    def _rows(self, batch_size: int) -> int:
         rows = batch_size * self.max_query_len
+        return rows if self.max_rows is None else min(rows, self.max_rows)
+
+    def _static_inputs(self, batch_size: int) -> dict[str, torch.Tensor]:
+        rows = self._rows(batch_size)
 
         def zeros(*shape, dtype=torch.int64):
             return torch.zeros(shape, dtype=dtype, device=self.device)

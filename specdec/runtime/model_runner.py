@@ -167,13 +167,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def enable_tree_graphs(self, batch_sizes: list[int], max_query_len: int, max_tree_keys: int,
-                           max_blocks_per_seq: int, use_graphs: bool | None = None) -> None:
+                           max_blocks_per_seq: int, use_graphs: bool | None = None,
+                           max_rows: int | None = None) -> None:
         """Capture tree steps of up to ``max_query_len`` rows and ``max_tree_keys`` tree keys per
-        request at every batch size (``use_graphs=False``: the same padded path, eagerly)."""
+        request, ``max_rows`` rows in all, at every batch size (``use_graphs=False``: the same
+        padded path, eagerly)."""
         from specdec.kernels.tree_graphs import TreeGraph
 
         self.tree_graph = TreeGraph(self.model, self.kv_caches, self.block_size, self.device, batch_sizes,
-                                    max_query_len, max_tree_keys, max_blocks_per_seq, use_graphs)
+                                    max_query_len, max_tree_keys, max_blocks_per_seq, use_graphs, max_rows)
 
     def _static_inputs(self, q: int, batch_size: int) -> dict[str, torch.Tensor]:
         def zeros(*shape):

@@ -21,7 +21,7 @@ from specdec.runtime.model_runner import ModelRunner
 from specdec.spec.tree import ancestor_mask, depths
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 24
-MAX_QUERY_LEN, MAX_TREE_KEYS = 8, 7
+MAX_QUERY_LEN, MAX_TREE_KEYS, MAX_ROWS = 8, 7, 16  # the batch-4 graph holds 16 rows, not 4 x 8
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def runners(llama_path):
     eager = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, device, torch.float32)
     graphed = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, device, torch.float32)
     graphed.enable_tree_graphs([1, 4], MAX_QUERY_LEN, MAX_TREE_KEYS, max_blocks_per_seq=6,
-                               use_graphs=DEVICE != "cpu")
+                               use_graphs=DEVICE != "cpu", max_rows=MAX_ROWS)
     torch_model = load_model(llama_path, torch.float32, device, TORCH_BACKEND, config)
     reference = ModelRunner(torch_model, NUM_BLOCKS, BLOCK_SIZE, device, torch.float32)
     return eager, graphed, reference
@@ -85,6 +85,9 @@ def test_tree_steps_replay_the_padded_graph(runners):
 def test_trees_past_the_captured_shape_run_eagerly(runners):
     # 8 tree keys > MAX_TREE_KEYS (and 9 rows > MAX_QUERY_LEN): the step goes eager
     step(runners, [[3] + list(range(4, 12))], [0], [[12, 13, 14]], [[-1] * 8], expect_graph=False)
+    # three 7-row trees: 21 rows, more than the batch-4 graph's 16
+    step(runners, [[3, 4, 5, 6, 7, 8, 9]] * 3, [0] * 3, [[15, 16], [17, 18], [19, 20]], [[-1, 0, 1, 2, 3, 4]] * 3,
+         expect_graph=False)
     # five requests: more than the largest captured batch
     step(runners, [[3, 4]] * 5, [0] * 5, [[15 + i] for i in range(5)], [[-1]] * 5, expect_graph=False)
 
