@@ -16,6 +16,8 @@ outputs (opt-in, as int8).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -73,8 +75,16 @@ class Fp8Linear(nn.Module):
         return (self.weight_fp8.float() * self.scales[:, None]).to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.use_scaled_mm:
-            return F.linear(x, self.dequantized_weight(), self.bias)
+        if self.use_scaled_mm:
+            try:
+                return self._scaled_forward(x)
+            except (RuntimeError, NotImplementedError, ValueError) as e:  # no row-wise fp8 in this build or device
+                warnings.warn(f"Fp8Linear: torch._scaled_mm failed ({str(e).splitlines()[0][:200]}); "
+                              f"dequantising the weights instead", stacklevel=2)
+                self.use_scaled_mm = False
+        return F.linear(x, self.dequantized_weight(), self.bias)
+
+    def _scaled_forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         values, row_scales = quantize_rows(x.reshape(-1, shape[-1]), self.fp8_dtype)
         # row-wise scales: CUDA's _scaled_mm writes only bf16 for them

@@ -73,3 +73,19 @@ def test_device_choices_on_cpu_and_prepare_swaps_every_linear():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)))
     prepare_for_inference(model, "fp8", cpu)
     assert isinstance(model[0], Fp8Linear) and isinstance(model[2][0], Fp8Linear)
+
+
+def test_a_failing_scaled_mm_falls_back_to_dequantising_with_a_warning(monkeypatch):
+    torch.manual_seed(4)
+    lin = nn.Linear(32, 16)
+    q = Fp8Linear(lin, use_scaled_mm=True)
+    x = torch.randn(3, 32)
+
+    def unsupported(*args, **kwargs):  # what a build without row-wise fp8 for the device does
+        raise RuntimeError("row-wise scaling is not supported on this device")
+
+    monkeypatch.setattr(torch, "_scaled_mm", unsupported)
+    with pytest.warns(UserWarning, match="dequantising"):
+        out = q(x)
+    assert not q.use_scaled_mm
+    torch.testing.assert_close(out, F.linear(x, q.dequantized_weight(), lin.bias), rtol=0, atol=0)
