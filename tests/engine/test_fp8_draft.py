@@ -1,7 +1,8 @@
 """A draft_model engine with an fp8 draft (CPU: e4m3 storage, dequantise matmul) stays lossless:
-greedy output in float32 equals plain greedy decoding; so does an fp8 target with speculation
-against the same fp8 target without it."""
+greedy output in float32 equals plain greedy decoding; so does an EAGLE engine with an fp8 head
+(token trees), and an fp8 target with speculation against the same fp8 target without it."""
 import pytest
+import torch
 
 from specdec import LLM, SamplingParams
 from specdec.config import SpeculativeConfig
@@ -28,6 +29,22 @@ def test_fp8_draft_is_lossless_and_still_accepted(llama_path, noisy_draft_path, 
     assert greedy_tokens(llm, chosen) == expected
     metrics = llm.get_metrics()
     assert metrics["num_accepted_tokens"] > 0  # fp8 rounding leaves the draft useful
+
+
+def test_fp8_eagle_head_drafting_trees_is_lossless(llama_path, prompts, tmp_path):
+    from specdec.models.eagle import init_head, save_head
+    from specdec.models.loader import load_model
+
+    head = init_head(load_model(llama_path, torch.float32, torch.device("cpu")), seed=1)
+    save_head(head, tmp_path / "head")
+    chosen = prompts[7:10]
+    expected = greedy_tokens(LLM(model=llama_path, **ENGINE), chosen)
+    llm = LLM(model=llama_path, **ENGINE, speculative_config={
+        "method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3, "quantization": "fp8",
+        "tree_topk": 2, "tree_nodes": 6})
+    assert fp8_linears(llm.engine.draft_runner.model) > 0 and fp8_linears(llm.engine.runner.model) == 0
+    assert greedy_tokens(llm, chosen) == expected
+    assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
 def test_fp8_target_with_speculation_equals_it_without(llama_path, prompts):
