@@ -6,7 +6,11 @@
 #      512-token KV context (CUDA graphs when capture works), decode tokens/s at batch 1 and
 #      its fraction of the weight-streaming roofline, transformers `generate` tokens/s, and,
 #      through specdec's public API (`LLM`), plain decode and "replay" speculation
-#      (acceptance 0.8, K=5) against the Leviathan et al. bound.
+#      (acceptance 0.8, K=5) against the Leviathan et al. bound;
+#   3. speculation on the same checkpoint through specdec's model runner (scripts/gpu_check_spec.py):
+#      a 24-node token-tree step and a K=5 chain step against a decode step (batch 1 and 8, eager
+#      and from graphs), the tree attention kernel against the torch path, a draft step with fp8
+#      weights against bf16 (Llama-3.2-1B shape), and an EAGLE head's step against the target's.
 # Prints one short table last; writes JSON to $OUT/gpu_check.json ($OUT unset: ./gpu_check.json).
 #
 #   scripts/gpu_check.sh
@@ -25,6 +29,7 @@ export GPU_CHECK_RESULTS="$RESULTS"
 export TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
 unset TRITON_INTERPRET
 START=$(date +%s)
+export GPU_CHECK_DEADLINE=$(( START + 460 ))  # phases that would not finish by then are skipped
 
 # ---------------------------------------------------------------- 1. kernel tests on the device
 if [ "${GPU_CHECK_SKIP_TESTS:-0}" != "1" ]; then
@@ -221,7 +226,23 @@ def _():
     R["hf_generate_tok_s"] = (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
 
 
-# ---------------------------------------------------------------- engine part (needs specdec.LLM)
+# ---------------------------------------------------------------- engine part (needs specdec)
+@phase("save_checkpoint")
+def _():
+    from specdec.models.tiny import make_tokenizer
+    model = state.pop("model")
+    ckpt = state["ckpt"] = tempfile.mkdtemp(prefix="specdec_gpu_check_", dir=os.environ.get("GPU_CHECK_TMP"))
+    t0 = time.time()
+    model.config.dtype = "bfloat16"
+    model.save_pretrained(ckpt)
+    make_tokenizer(320).save_pretrained(ckpt)
+    R["checkpoint_save_s"] = time.time() - t0
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 @phase("engine")
 def _():
     if os.environ.get("GPU_CHECK_SKIP_ENGINE") == "1":
@@ -232,65 +253,64 @@ def _():
     except ImportError as e:
         R["engine"] = {"skipped": f"specdec.LLM not importable: {e}"}
         return
-    from specdec.models.tiny import make_tokenizer
-    model = state.pop("model")
-    ckpt = tempfile.mkdtemp(prefix="specdec_gpu_check_", dir=os.environ.get("GPU_CHECK_TMP"))
+    ckpt = state["ckpt"]
     engine = R["engine"] = {}
+    acceptance, k = 0.8, 5
+    t0 = time.time()
+    llm = LLM(model=ckpt, dtype="bfloat16", device=device.type, max_model_len=2048, seed=0,
+              gpu_memory_utilization=0.6,
+              speculative_config={"method": "replay", "acceptance": acceptance, "num_speculative_tokens": k})
+    engine["load_s"] = time.time() - t0
     try:
-        t0 = time.time()
-        model.config.dtype = "bfloat16"
-        model.save_pretrained(ckpt)
-        make_tokenizer(320).save_pretrained(ckpt)
-        engine["save_s"] = time.time() - t0
-        del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        acceptance, k = 0.8, 5
-        t0 = time.time()
-        llm = LLM(model=ckpt, dtype="bfloat16", device=device.type, max_model_len=2048, seed=0,
-                  gpu_memory_utilization=0.6,
-                  speculative_config={"method": "replay", "acceptance": acceptance, "num_speculative_tokens": k})
-        engine["load_s"] = time.time() - t0
-        try:
-            from specdec.engine.builder import _attention_backend
-            engine["attention_backend"] = _attention_backend(llm.config, device).name
-        except Exception as e:  # noqa: BLE001 - informational only
-            engine["attention_backend"] = f"{llm.config.attention_backend} ({type(e).__name__})"
-        prompt = list(range(3, 3 + 64))
-        max_tokens = 256 if device.type == "cuda" else 24
-        plain = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, use_speculation=False)
-        spec_params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        from specdec.worker.setup import _attention_backend
+        engine["attention_backend"] = _attention_backend(llm.config, device).name
+    except Exception as e:  # noqa: BLE001 - informational only
+        engine["attention_backend"] = f"{llm.config.attention_backend} ({type(e).__name__})"
+    prompt = list(range(3, 3 + 64))
+    max_tokens = 256 if device.type == "cuda" else 24
+    plain = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, use_speculation=False)
+    spec_params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
-        def timed_generate(params):
-            sync()
-            t = time.perf_counter()
-            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-            sync()
-            return out, time.perf_counter() - t
+    def timed_generate(params):
+        sync()
+        t = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        sync()
+        return out, time.perf_counter() - t
 
-        # warm-up runs (Triton compiles, first-use calibration) double as the reference: replay
-        # proposes the target's own greedy continuation, corrupted per token with probability
-        # 1 - acceptance, and the draft costs ~nothing (c = 0 in the bound)
-        reference, engine["first_plain_s"] = timed_generate(plain)
-        llm.engine.proposer.set_reference(prompt, list(reference.token_ids))
-        _, engine["first_spec_s"] = timed_generate(spec_params)
-        out, t = timed_generate(plain)
-        engine["decode_tok_s"] = len(out.token_ids) / t
-        if "roofline_decode_tok_s" in R:
-            engine["decode_roofline_fraction"] = engine["decode_tok_s"] / R["roofline_decode_tok_s"]
-        spec_out, t = timed_generate(spec_params)
-        engine["replay_tok_s"] = len(spec_out.token_ids) / t
-        # lossless: greedy speculation must reproduce plain greedy decoding (bf16 near-ties aside)
-        engine["replay_equals_plain"] = list(spec_out.token_ids) == list(out.token_ids)
-        engine["speedup"] = engine["replay_tok_s"] / engine["decode_tok_s"]
-        bound = (1 - acceptance ** (k + 1)) / (1 - acceptance)  # tokens per target step, c = 0
-        engine["bound_tokens_per_step"] = bound
-        engine["system_efficiency"] = engine["speedup"] / bound
-        metrics = llm.get_metrics()
-        engine["metrics"] = {key: v for key, v in metrics.items() if isinstance(v, (int, float, str))}
+    # warm-up runs (Triton compiles, first-use calibration) double as the reference: replay
+    # proposes the target's own greedy continuation, corrupted per token with probability
+    # 1 - acceptance, and the draft costs ~nothing (c = 0 in the bound)
+    reference, engine["first_plain_s"] = timed_generate(plain)
+    llm.engine.executor.collective_rpc("set_replay_references", [(prompt, list(reference.token_ids))])
+    _, engine["first_spec_s"] = timed_generate(spec_params)
+    out, t = timed_generate(plain)
+    engine["decode_tok_s"] = len(out.token_ids) / t
+    if "roofline_decode_tok_s" in R:
+        engine["decode_roofline_fraction"] = engine["decode_tok_s"] / R["roofline_decode_tok_s"]
+    spec_out, t = timed_generate(spec_params)
+    engine["replay_tok_s"] = len(spec_out.token_ids) / t
+    # lossless: greedy speculation must reproduce plain greedy decoding (bf16 near-ties aside)
+    engine["replay_equals_plain"] = list(spec_out.token_ids) == list(out.token_ids)
+    engine["speedup"] = engine["replay_tok_s"] / engine["decode_tok_s"]
+    bound = (1 - acceptance ** (k + 1)) / (1 - acceptance)  # tokens per target step, c = 0
+    engine["bound_tokens_per_step"] = bound
+    engine["system_efficiency"] = engine["speedup"] / bound
+    metrics = llm.get_metrics()
+    engine["metrics"] = {key: v for key, v in metrics.items() if isinstance(v, (int, float, str))}
+
+
+# ---------------------------------------------------------------- speculation phases (gpu_check_spec.py)
+import sys
+sys.path.insert(0, "scripts")
+import gpu_check_spec  # noqa: E402
+
+if "ckpt" in state:
+    try:
+        gpu_check_spec.run_phases(R, state, device, preset, PRESETS, phase, seconds_per_call,
+                                  float(os.environ["GPU_CHECK_DEADLINE"]))
     finally:
-        shutil.rmtree(ckpt, ignore_errors=True)
+        shutil.rmtree(state["ckpt"], ignore_errors=True)
 
 
 # ---------------------------------------------------------------- summary table (last output)
@@ -323,6 +343,7 @@ rows = [
 if eng.get("skipped"):
     rows[-2] = ("specdec engine", eng["skipped"])
     rows.pop()
+rows += gpu_check_spec.summary_rows(R)
 save()
 print(f"\nwrote {json_path}; errors: {sorted(R['errors']) or 'none'}")
 print("\n" + "\n".join(f"{name:30s} {value}" for name, value in rows))

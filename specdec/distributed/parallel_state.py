@@ -1,10 +1,12 @@
 """The tensor-parallel group a worker belongs to, over torch.distributed (NCCL on CUDA, RCCL on
 ROCm, gloo on CPU), and the collectives the parallel layers and the executor use.
 
-Ranks are started either by the engine (``MultiprocExecutor`` spawns them on one node) or by
-torchrun / any launcher that sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
-``MASTER_PORT``; rank 0 is the driver. Every collective has the group's timeout, so a rank that
-died or hangs makes the others raise instead of waiting forever.
+Ranks are started either by the engine (``MultiprocExecutor`` spawns them on one node; each
+engine gets a process group of its own on a fresh port, so several engines can live in one
+process) or by torchrun / any launcher that sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR`` and ``MASTER_PORT`` (the default group). Rank 0 is the driver. Every
+collective has the group's timeout, so a rank that died or hangs makes the others raise
+instead of waiting forever.
 """
 from __future__ import annotations
 
@@ -29,13 +31,26 @@ def timeout_seconds() -> float:
     return float(os.environ.get("SPECDEC_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
 
 
+def _root0() -> dist.BroadcastOptions:
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    return opts
+
+
+def _reduce(op) -> dist.AllreduceOptions:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    return opts
+
+
 @dataclass
 class TensorParallelGroup:
     rank: int
     world_size: int
     device: torch.device
-    comm_seconds: float = 0.0  # time inside the model's collectives since the last ``take_comm_seconds``
-    _cpu_group: object = field(default=None, repr=False)  # gloo group for host objects (NCCL cannot send them)
+    pg: object = field(repr=False)  # the process group of the model's tensors
+    cpu_pg: object = field(repr=False)  # a gloo group for host-side control (NCCL cannot send host objects)
+    comm_seconds: float = 0.0  # inside the model's collectives since the last ``take_comm_seconds``
 
     @property
     def is_driver(self) -> bool:
@@ -44,15 +59,16 @@ class TensorParallelGroup:
     # ---- collectives on the model's tensors ----
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
-        dist.all_reduce(x)
+        self.pg.allreduce([x]).wait()
         self.comm_seconds += time.perf_counter() - started
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] per rank -> [..., world_size * n], ranks in order."""
         started = time.perf_counter()
+        x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous())
+        self.pg.allgather([parts], [x]).wait()
         self.comm_seconds += time.perf_counter() - started
         return torch.cat(parts, dim=-1)
 
@@ -62,42 +78,73 @@ class TensorParallelGroup:
 
     # ---- host-side control ----
     def broadcast_object(self, obj=None):
-        """The driver's ``obj`` on every rank (pickled bytes over the process group)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._cpu_group)
-        return box[0]
+        """The driver's ``obj`` on every rank: its pickled length, then its bytes."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.is_driver else b""
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        self.cpu_pg.broadcast([length], _root0()).wait()
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_driver else \
+            torch.empty(int(length), dtype=torch.uint8)
+        self.cpu_pg.broadcast([buf], _root0()).wait()
+        return obj if self.is_driver else pickle.loads(buf.numpy().tobytes())
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's ``obj``, in rank order, on every rank (small objects: one pickle each)."""
+        data = pickle.dumps(obj)
+        lengths = [torch.empty(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self.cpu_pg.allgather([lengths], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
+        size = max(int(n) for n in lengths)
+        mine = torch.zeros(size, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty(size, dtype=torch.uint8) for _ in range(self.world_size)]
+        self.cpu_pg.allgather([parts], [mine]).wait()
+        return [pickle.loads(p[:int(n)].numpy().tobytes()) for p, n in zip(parts, lengths)]
 
     def min_int(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu_group)
+        self.cpu_pg.allreduce([t], _reduce(dist.ReduceOp.MIN)).wait()
         return int(t.item())
 
     def check_same(self, obj) -> None:
         """Raise unless every rank holds the same ``obj`` (sampling must never diverge)."""
         digest = int.from_bytes(hashlib.blake2b(pickle.dumps(obj), digest_size=7).digest(), "little")
         t = torch.tensor([digest, -digest], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._cpu_group)
+        self.cpu_pg.allreduce([t], _reduce(dist.ReduceOp.MAX)).wait()
         if int(t[0]) != -int(t[1]):
             raise RuntimeError(f"tensor-parallel rank {self.rank}: ranks decided different tokens this step")
 
 
-def init_tensor_parallel(rank: int, world_size: int, device_type: str, init_method: str | None = None,
+def _device_for(device_type: str, world_size: int, local_rank: int) -> torch.device:
+    if device_type != "cuda":
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {world_size} needs {local_rank + 1} GPUs on this node; "
+                         f"{torch.cuda.device_count()} are visible")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_tensor_parallel(rank: int, world_size: int, device_type: str, address: tuple[str, int] | None = None,
                          local_rank: int | None = None) -> TensorParallelGroup:
-    """Join (or create) the default process group and return this rank's group handle."""
-    if device_type == "cuda":
-        local = rank if local_rank is None else local_rank
-        if local >= torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size {world_size} needs {local + 1} GPUs on this node; "
-                             f"{torch.cuda.device_count()} are visible")
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-        backend = "nccl"  # RCCL on ROCm builds answers to the same name
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
+    """This rank's group: a process group of its own on ``address`` (host, port; rank 0 hosts
+    the store), or, with ``address`` None, the launcher's default group (``env://``)."""
+    device = _device_for(device_type, world_size, rank if local_rank is None else local_rank)
     timeout = datetime.timedelta(seconds=timeout_seconds())
-    if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
-                                timeout=timeout)
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-    return TensorParallelGroup(rank, world_size, device, _cpu_group=cpu_group)
+    if address is None:
+        backend = "nccl" if device.type == "cuda" else "gloo"  # RCCL answers to "nccl" on ROCm builds
+        if not dist.is_initialized():
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+        pg = dist.group.WORLD
+        cpu_pg = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else pg
+        return TensorParallelGroup(rank, world_size, device, pg, cpu_pg)
+    store = dist.TCPStore(address[0], address[1], world_size, is_master=rank == 0, timeout=timeout)
+    cpu_pg = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), rank, world_size, timeout)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(dist.PrefixStore("dev/", store), rank, world_size, opts)
+    else:
+        pg = cpu_pg
+    group = TensorParallelGroup(rank, world_size, device, pg, cpu_pg)
+    group._store = store  # the store must outlive the groups built on it
+    return group

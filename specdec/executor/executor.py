@@ -25,3 +25,7 @@ class Executor(ABC):
     def collective_rpc(self, method: str, *args):
         """Call ``Worker.<method>(*args)`` on every worker; the driver's return value
         (start-up calibration, benchmark controls)."""
+
+    @abstractmethod
+    def gather_rpc(self, method: str, *args) -> list:
+        """``Worker.<method>(*args)`` of every worker, in rank order (per-rank figures)."""

@@ -63,16 +63,18 @@ def _serve(worker: Worker, tp: TensorParallelGroup) -> None:
         elif command == "rpc":
             name, args = payload
             getattr(worker, name)(*args)
+        elif command == "gather":
+            name, args = payload
+            tp.gather_objects(getattr(worker, name)(*args))
         elif command == "stop":
             return
 
 
-def _rank_main(rank: int, world: int, init_method: str, cfg, worker_args: tuple) -> None:
+def _rank_main(rank: int, world: int, address: tuple[str, int], cfg, worker_args: tuple) -> None:
     device_type = _device_type(cfg)
     _set_threads(cfg, world, device_type)
-    tp = init_tensor_parallel(rank, world, device_type, init_method)
+    tp = init_tensor_parallel(rank, world, device_type, address)
     _serve(Worker(cfg, *worker_args, tp=tp), tp)
-    torch.distributed.destroy_process_group()
 
 
 class MultiprocExecutor(Executor):
@@ -87,7 +89,7 @@ class MultiprocExecutor(Executor):
             rank, launched = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             if launched != world:
                 raise ValueError(f"tensor_parallel_size {world} but the launcher started {launched} ranks")
-            tp = init_tensor_parallel(rank, world, device_type, "env://", int(os.environ.get("LOCAL_RANK", rank)))
+            tp = init_tensor_parallel(rank, world, device_type, None, int(os.environ.get("LOCAL_RANK", rank)))
             if rank != 0:  # this process only serves the driver
                 _serve(Worker(cfg, *worker_args, tp=tp), tp)
                 torch.distributed.destroy_process_group()
@@ -96,14 +98,14 @@ class MultiprocExecutor(Executor):
             if device_type == "cuda" and world > torch.cuda.device_count():
                 raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs; "
                                  f"{torch.cuda.device_count()} are visible")
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            address = ("127.0.0.1", _free_port())
             ctx = torch.multiprocessing.get_context("spawn")
             for rank in range(1, world):
-                proc = ctx.Process(target=_rank_main, args=(rank, world, init_method, cfg, worker_args),
+                proc = ctx.Process(target=_rank_main, args=(rank, world, address, cfg, worker_args),
                                    name=f"specdec-tp-rank{rank}", daemon=True)
                 proc.start()
                 self._procs.append(proc)
-            tp = init_tensor_parallel(0, world, device_type, init_method)
+            tp = init_tensor_parallel(0, world, device_type, address)
         self.tp = tp
         self.driver_worker = Worker(cfg, *worker_args, tp=tp)
         self._stopped = False
@@ -140,6 +142,11 @@ class MultiprocExecutor(Executor):
         self._send("rpc", (method, args))
         return getattr(self.driver_worker, method)(*args)
 
+    def gather_rpc(self, method: str, *args) -> list:
+        """``Worker.<method>(*args)`` of every rank, in rank order."""
+        self._send("gather", (method, args))
+        return self.tp.gather_objects(getattr(self.driver_worker, method)(*args))
+
     def shutdown(self) -> None:
         self._finalizer()
 
@@ -157,7 +164,3 @@ def _stop(tp: TensorParallelGroup, procs: list) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join()
-    try:
-        torch.distributed.destroy_process_group()
-    except Exception:  # noqa: BLE001 - already gone
-        pass

@@ -23,3 +23,6 @@ class UniprocExecutor(Executor):
 
     def collective_rpc(self, method: str, *args):
         return getattr(self.driver_worker, method)(*args)
+
+    def gather_rpc(self, method: str, *args) -> list:
+        return [getattr(self.driver_worker, method)(*args)]

@@ -90,15 +90,17 @@ def launches() -> list[tuple[str, object, Callable[[], object]]]:
     from specdec.kernels import kv_cache, paged_attention, rejection_sampler, top_k_top_p
     from specdec.layers.attention import AttentionMetadata
 
-    def attention(q_lens, seq_lens, group, head_dim, dtype, splits):
+    def attention(q_lens, seq_lens, group, head_dim, dtype, splits, tree: bool = False):
         num_kv_heads, block_size = 2, 16
         max_blocks = max(s // block_size + 1 for s in seq_lens)
         qsl = [0]
         for n in q_lens:
             qsl.append(qsl[-1] + n)
+        # a tree request: its rows after the first are nodes from base = seq_len - q_len + 1 on
+        trees = [(s - q + 1, torch.ones(q, q - 1, dtype=torch.bool)) for q, s in zip(q_lens, seq_lens)] if tree else None
         meta = AttentionMetadata(
             torch.tensor(qsl), torch.tensor(seq_lens), torch.zeros(len(q_lens), max_blocks, dtype=torch.int64),
-            torch.zeros(qsl[-1], dtype=torch.int64), qsl, seq_lens, block_size)
+            torch.zeros(qsl[-1], dtype=torch.int64), qsl, seq_lens, block_size, trees)
         query = torch.zeros(qsl[-1], num_kv_heads * group, head_dim, dtype=dtype)
         cache = torch.zeros(2, max_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
         return lambda: paged_attention.paged_attention_triton(query, cache, meta, 0.1, num_kv_splits=splits)
@@ -131,6 +133,10 @@ def launches() -> list[tuple[str, object, Callable[[], object]]]:
         ("attention mixed bf16 d64 gqa1", pa._paged_attention_kernel, attention([30, 5, 1], [60, 9, 3], 1, 64, torch.bfloat16, 1)),
         ("attention split-kv fp16 d128", pa._paged_attention_kernel, attention([1], [300], 8, 128, torch.float16, 4)),
         ("attention fp32 (ieee dot)", pa._paged_attention_kernel, attention([4], [20], 2, 64, torch.float32, 1)),
+        ("attention tree bf16 d128 gqa4", pa._paged_attention_kernel,
+         attention([25, 1], [90, 9], 4, 128, torch.bfloat16, 2, tree=True)),
+        ("attention tree bf16 d64 gqa1", pa._paged_attention_kernel,
+         attention([7, 3, 1], [60, 20, 9], 1, 64, torch.bfloat16, 1, tree=True)),
         ("attention merge splits", pa._merge_splits_kernel, attention([1], [300], 8, 128, torch.bfloat16, 4)),
         ("kv write bf16", kv_cache._write_kv_cache_kernel, write_kv(torch.bfloat16)),
         ("rejection greedy", rejection_sampler._rejection_sample_kernel, reject(True, False, False)),

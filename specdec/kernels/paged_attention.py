@@ -14,6 +14,12 @@ program finds its request by binary search over query_start_loc. With kv splits 
 (flash-decoding) each split covers a slice of the keys and writes a partial result plus its
 log-sum-exp, merged by a second small kernel; this fills the GPU when a few long decodes
 would otherwise give one program per kv head.
+
+Token trees take the same kernel: with ``HAS_TREE`` each program also reads its request's
+first tree key (``tree_base``) and, per query row, one bit per tree key
+(``specdec.layers.tree_mask``), so a row sees key n iff n is causal for it and (n < base or its
+bit is set). A causal request's base is its seq_len, so chain rows, decode rows and prefill
+chunks share a launch with tree rows.
 """
 from __future__ import annotations
 
@@ -49,9 +55,11 @@ def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     out_ptr, query_ptr, kv_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     partial_out_ptr, partial_lse_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] f32, [T, H, NUM_SPLITS] f32
+    tree_base_ptr, tree_bits_ptr,  # [num_reqs] int64, [T, num_words] int32 (read only with HAS_TREE)
     scale_log2e, num_reqs, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kv, stride_kb, stride_ks, stride_kh, stride_bt,
+    stride_kv, stride_kb, stride_ks, stride_kh, stride_bt, stride_tree, num_tree_words,
+    HAS_TREE: tl.constexpr, TREE_WORDS: tl.constexpr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr, IEEE_FP32_DOT: tl.constexpr,
@@ -88,6 +96,8 @@ def _paged_attention_kernel(
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
     causal_limit = context_len + q_pos  # [BLOCK_M] last visible key position per row
+    if HAS_TREE:
+        tree_base = tl.load(tree_base_ptr + req)
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.full([BLOCK_M], 0, tl.float32)
@@ -111,6 +121,21 @@ def _paged_attention_kernel(
             s = tl.dot(q, k)
         s = s * scale_log2e  # [BLOCK_M, BLOCK_N], log2 domain
         visible = n_valid[None, :] & (offs_n[None, :] <= causal_limit[:, None])
+        if HAS_TREE:
+            if kv_tile * BLOCK_N + BLOCK_N > tree_base:  # the tile holds tree keys
+                # bits are aligned to absolute key positions (specdec.layers.tree_mask), so this
+                # tile's keys are bits of TREE_WORDS consecutive words per row: vector loads, not
+                # a [BLOCK_M, BLOCK_N] gather, whose pointers alone would spill registers
+                in_tree = n_valid & (offs_n >= tree_base)  # [BLOCK_N]
+                first_word = kv_tile * TREE_WORDS - tree_base // 32  # the tile's first word (< 0: before base)
+                seen = ~in_tree[None, :]  # [1, BLOCK_N] keys before base: the causal rule alone
+                for w in tl.static_range(TREE_WORDS):
+                    word_index = token * 0 + first_word + w  # [BLOCK_M]
+                    row_word = tl.load(tree_bits_ptr + token * stride_tree + word_index, other=0,
+                                       mask=row_valid & (word_index >= 0) & (word_index < num_tree_words))
+                    bit = ((row_word[:, None] >> (offs_n % 32)[None, :]) & 1) != 0  # [BLOCK_M, BLOCK_N]
+                    seen = seen | (bit & ((offs_n % BLOCK_N) // 32 == w)[None, :])
+                visible = visible & seen
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -175,12 +200,13 @@ def choose_num_kv_splits(num_tiles: int, num_kv_heads: int, max_seq_len: int, bl
     return max(1, min(_MAX_KV_SPLITS, by_occupancy, by_length))
 
 
-def tile_sizes(max_query_len: int, group: int, head_dim: int) -> tuple[int, int, int]:
+def tile_sizes(max_query_len: int, group: int, head_dim: int, tree: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_Q, BLOCK_N). BLOCK_M rows = BLOCK_Q query tokens x GROUP heads; 16 rows
-    (the smallest tl.dot tile) for decode and verification, up to 128 for prefill."""
+    (the smallest tl.dot tile) for decode and verification, up to 128 for prefill. A tree step's
+    128-row tiles take 32 keys at a time: the mask's per-key work at 64 spills registers on gfx942."""
     block_m = min(128, max(16, next_power_of_2(max(1, max_query_len) * group)))
     block_m = max(block_m, next_power_of_2(group))
-    block_n = 64 if head_dim <= 128 else 32
+    block_n = 64 if head_dim <= 128 and not (tree and block_m > 64) else 32
     return block_m, block_m // group, block_n
 
 
@@ -193,13 +219,6 @@ def paged_attention_triton(
     num_kv_splits: int | None = None,  # None: chosen from meta's host copies; fix it for CUDA graphs
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows past query_start_loc[-1] are not written
-    if meta.tree_masks is not None:
-        # token-tree steps (drafting or verifying a tree; eager, never in a graph) take the
-        # torch path: the kernel only knows the causal rule
-        from specdec.layers.attention import paged_attention_torch
-
-        result = paged_attention_torch(query, kv_cache, meta, scale)
-        return result if out is None else out.copy_(result)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     if num_heads % num_kv_heads or kv_cache.shape[4] != head_dim:
@@ -212,7 +231,8 @@ def paged_attention_triton(
         out = torch.empty_like(query)
     if num_tokens == 0 or num_reqs == 0:
         return out
-    block_m, block_q, block_n = tile_sizes(meta.max_query_len, group, head_dim)
+    tree = meta.packed_tree()
+    block_m, block_q, block_n = tile_sizes(meta.max_query_len, group, head_dim, tree is not None)
     grid_tiles = num_tokens // block_q + num_reqs  # upper bound, no host sync
     if num_kv_splits is None:
         qsl = meta.query_start_loc_cpu
@@ -225,13 +245,18 @@ def paged_attention_triton(
         partial_lse = torch.empty(num_tokens, num_heads, num_kv_splits, dtype=torch.float32, device=query.device)
     else:
         partial_out = partial_lse = out  # unused
+    if tree is None:  # pointers the kernel never reads
+        tree_base, tree_bits, stride_tree, num_tree_words = meta.seq_lens, meta.seq_lens, 0, 0
+    else:
+        tree_base, tree_bits, stride_tree, num_tree_words = tree.base, tree.bits, tree.bits.stride(0), tree.bits.shape[1]
     upcast = DEFINED_FOR_INTERPRETER  # the interpreter cannot do bf16 arithmetic or bf16 tl.dot
     _paged_attention_kernel[(grid_tiles, num_kv_heads, num_kv_splits)](
         out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        partial_out, partial_lse,
+        partial_out, partial_lse, tree_base, tree_bits,
         scale * _LOG2E, num_reqs, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
+        stride_tree, num_tree_words, HAS_TREE=tree is not None, TREE_WORDS=block_n // 32,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=meta.block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         UPCAST=upcast, IEEE_FP32_DOT=query.dtype == torch.float32,

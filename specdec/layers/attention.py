@@ -12,9 +12,10 @@ faster kernels (``specdec.kernels``) are tested against.
 
 Token trees (``AttentionMetadata.tree_masks``): a request that verifies or drafts a tree of
 candidate tokens writes its nodes to consecutive slots from position ``base`` on, and each of
-its query rows sees every key before ``base`` plus the keys from ``base`` on that its mask row
-allows (the node's ancestors and itself), instead of the causal rule. Such a request's rows
-carry their own positions (``base - 1 + depth``), which need not equal their slots.
+its query rows sees the keys before ``base`` (causally: none past its own slot) plus the keys
+from ``base`` on that its mask row allows (the node's ancestors and itself). Such a request's
+rows carry their own positions (``base - 1 + depth``), which need not equal their slots.
+Kernels read the masks packed into bits (``specdec.layers.tree_mask``).
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from specdec.layers.tree_mask import PackedTreeMask, pack_tree_masks
 
 
 @dataclass
@@ -37,6 +40,8 @@ class AttentionMetadata:
     block_size: int
     # per request, None (causal) or (base, mask [q_len, seq_len - base] bool): see the module docstring
     tree_masks: list | None = None
+    # the same masks packed for kernels; set directly by a captured graph, else packed on first use
+    tree_packed: PackedTreeMask | None = None
     # derived once per step from the host copies and shared by every layer
     query_lens: list[int] = field(init=False, repr=False, compare=False)  # [num_reqs]
     _groups: list | None = field(default=None, init=False, repr=False, compare=False)
@@ -46,6 +51,13 @@ class AttentionMetadata:
     def __post_init__(self) -> None:
         q = self.query_start_loc_cpu
         self.query_lens = [q[i + 1] - q[i] for i in range(len(q) - 1)]
+
+    def packed_tree(self) -> PackedTreeMask | None:
+        """The step's tree masks packed into bits (cached: every layer reuses them), or None."""
+        if self.tree_packed is None and self.tree_masks is not None:
+            self.tree_packed = pack_tree_masks(self.tree_masks, self.query_start_loc_cpu, self.seq_lens_cpu,
+                                               self.seq_lens.device)
+        return self.tree_packed
 
     @property
     def num_reqs(self) -> int:
@@ -144,15 +156,14 @@ def paged_attention_reference(
             v = v.repeat_interleave(group, dim=0)
         mask = None
         tree = meta.tree_masks[r] if meta.tree_masks is not None else None
-        if tree is not None:
-            base, node_mask = tree
-            mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device)
-            mask[:, base:] = node_mask
-        elif q_len > 1:
+        if tree is not None or q_len > 1:
             # bottom-right causal: row j sees keys <= seq_len - q_len + j
             rows = torch.arange(q_len, device=query.device).unsqueeze(1) + (seq_len - q_len)
             cols = torch.arange(seq_len, device=query.device).unsqueeze(0)
             mask = cols <= rows  # [q_len, seq_len]
+        if tree is not None:  # from base on, the node's ancestors and itself
+            base, node_mask = tree
+            mask[:, base:] &= node_mask
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[start:end] = o.transpose(0, 1)
     return out
@@ -234,10 +245,9 @@ def _torch_plan(meta: AttentionMetadata) -> _TorchPlan:
         lens = padded[1].view(-1, 1, 1) if padded else q_len
         allowed = cols <= (meta.seq_lens.view(-1, 1, 1) - lens + rows)  # [R, q, L]
         for r, tree in enumerate(meta.tree_masks or ()):
-            if tree is not None:  # a token tree: everything before base, then its own mask
+            if tree is not None:  # a token tree: causal before base, then its own mask
                 base, node_mask = tree
-                allowed[r, :node_mask.shape[0], :base] = True
-                allowed[r, :node_mask.shape[0], base:base + node_mask.shape[1]] = node_mask
+                allowed[r, :node_mask.shape[0], base:base + node_mask.shape[1]] &= node_mask
         bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill_(~allowed, float("-inf"))
         bias = bias[:, None, None]
     meta._torch_plan = _TorchPlan(q_len, max_len, table, bias, padded)

@@ -10,6 +10,8 @@
   activations through PyTorch's fbgemm dynamic-quantized linear; 2-3x faster than packed bf16
   at 1-6 rows on the development CPU. Activation quantization changes numerics more than
   weight-only int8: made for drafts, where it cannot change the output distribution.
+- ``Fp8Linear`` (``"fp8"``, ``specdec.layers.fp8``): e4m3 weights with per-output-channel
+  scales, through ``torch._scaled_mm`` on GPUs that multiply fp8, dequantised on the fly elsewhere.
 ``F.linear`` on the original weights stays the reference both are tested against.
 """
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specdec.layers.fp8 import Fp8Linear
 
 
 def _can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -79,7 +83,7 @@ class DynamicInt8Linear(nn.Module):
         return self.inner(x.float()).to(self.compute_dtype)
 
 
-QUANTIZATIONS = {"int8": Int8Linear, "int8_dynamic": DynamicInt8Linear}
+QUANTIZATIONS = {"int8": Int8Linear, "int8_dynamic": DynamicInt8Linear, "fp8": Fp8Linear}
 
 
 def _replace_linears(module: nn.Module, make) -> None:

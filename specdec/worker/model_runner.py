@@ -7,6 +7,8 @@ On GPUs (Triton attention) ``enable_graphs`` captures CUDA/HIP graphs of the uni
 every request feeding the same number of rows q: 1 for decode and for a draft's proposal
 passes, K + 1 for verification — at a ladder of batch sizes; ``forward`` replays the smallest
 graph that fits and runs everything else (prefill chunks, mixed steps, larger batches) eagerly.
+``enable_tree_graphs`` adds graphs of token-tree steps at a padded maximum shape
+(``specdec.kernels.tree_graphs``).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.layers]
         self.graphs: dict[int, object] = {}  # rows per request q -> GraphRunner (enable_graphs)
         self.graph_max_blocks = 0
+        self.tree_graph = None  # TreeGraph (enable_tree_graphs)
         # True for a runner whose logits are dead by its next forward (the target's: one per step):
         # they go to one grow-only float32 buffer instead of a fresh, page-faulted tensor each step.
         # Off where a caller keeps logits across forwards (the draft model's K passes).
@@ -100,6 +103,8 @@ class ModelRunner:
         """(logits [N, V] float32 as ``forward``, final hidden states [T, H] of every fed row);
         a replayed graph returns logits only (hidden None: EAGLE runs its target eagerly)."""
         graph = self._graph_for(batch)
+        if graph is not None and graph is self.tree_graph:
+            return graph.run(batch.input_ids, batch.positions, batch.attn, batch.logits_indices), None
         if graph is not None:
             meta = batch.attn
             logits = graph.run(meta.num_reqs, num_output_rows=len(batch.input_ids), input_ids=batch.input_ids,
@@ -160,6 +165,18 @@ class ModelRunner:
             runner.capture()
             self.graphs[q] = runner
 
+    @torch.inference_mode()
+    def enable_tree_graphs(self, batch_sizes: list[int], max_query_len: int, max_tree_keys: int,
+                           max_blocks_per_seq: int, use_graphs: bool | None = None,
+                           max_rows: int | None = None) -> None:
+        """Capture tree steps of up to ``max_query_len`` rows and ``max_tree_keys`` tree keys per
+        request, ``max_rows`` rows in all, at every batch size (``use_graphs=False``: the same
+        padded path, eagerly)."""
+        from specdec.kernels.tree_graphs import TreeGraph
+
+        self.tree_graph = TreeGraph(self.model, self.kv_caches, self.block_size, self.device, batch_sizes,
+                                    max_query_len, max_tree_keys, max_blocks_per_seq, use_graphs, max_rows)
+
     def _static_inputs(self, q: int, batch_size: int) -> dict[str, torch.Tensor]:
         def zeros(*shape):
             return torch.zeros(shape, dtype=torch.int64, device=self.device)
@@ -178,10 +195,10 @@ class ModelRunner:
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, attn))
 
     def _graph_for(self, batch: ForwardBatch):
-        if not self.graphs:
-            return None
         meta = batch.attn
-        if meta.tree_masks is not None:  # graphs replay the causal rule only
+        if meta.tree_masks is not None:  # tree steps replay the padded tree graph, if it fits
+            return self.tree_graph if self.tree_graph is not None and self.tree_graph.fits(meta) else None
+        if not self.graphs:
             return None
         graph = self.graphs.get(meta.uniform_query_len)
         if graph is None or graph.padded_size(meta.num_reqs) is None \

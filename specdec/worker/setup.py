@@ -101,13 +101,20 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
 
 def _enable_graphs(cfg: EngineConfig, runner, draft_runner, max_model_len: int, spec) -> None:
     """Capture decode (q = 1) and verification (q = K + 1, every K up to the maximum: adaptive K
-    varies it) graphs for the target, and proposal-pass graphs (q = 1) for a draft model."""
+    varies it) graphs for the target, proposal-pass graphs (q = 1) for a draft model, and for
+    token trees the padded tree graphs of both."""
     sizes = sorted({b for b in cfg.cuda_graph_batch_sizes if b <= cfg.max_num_seqs} | {1})
     max_blocks = -(-max_model_len // cfg.block_size) + 1
     max_k = spec.max_k if spec else 0
     runner.enable_graphs(sizes, [1] + [k + 1 for k in range(1, max_k + 1)], max_blocks)
     if draft_runner is not None:
         draft_runner.enable_graphs(sizes, [1], max_blocks)
+    if spec is not None and spec.is_tree:  # a tree step: the root row and up to num_tree_nodes nodes
+        rows = cfg.max_num_batched_tokens  # no step holds more
+        runner.enable_tree_graphs(sizes, 1 + spec.num_tree_nodes, spec.num_tree_nodes, max_blocks, max_rows=rows)
+        if draft_runner is not None:  # a tree pass feeds <= tree_topk nodes, each seeing the nodes fed before
+            draft_runner.enable_tree_graphs(sizes, spec.tree_topk, spec.tree_topk * spec.max_k, max_blocks,
+                                            max_rows=rows)
 
 
 def _attention_backend(cfg: EngineConfig, device):

@@ -79,16 +79,63 @@ def _cpu(meta):
                              trees)
 
 
-def test_token_tree_steps_match_the_reference():
-    """A step verifying a token tree (its nodes see the context and their ancestors only) next
-    to a decode row: served by the torch path, the kernel knows only the causal rule."""
+def random_parents(num_nodes: int, gen: torch.Generator) -> list[int]:
+    """A random tree in topological order: each node's parent is the root (-1) or an earlier node."""
+    return [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(num_nodes)]
+
+
+def tree_batch(kinds, *, group, seed, num_kv_heads=2, head_dim=32, dtype=torch.float32, block_size=8):
+    """A ragged step mixing ("tree", rows_before, nodes), ("chain", k), ("prefill", n) and
+    ("decode",) requests, each with a random context; the tree requests get random trees."""
     from specdec.spec_decode.tree import ancestor_mask
 
-    parents = [-1, -1, 0, 0, 1, 2]
-    query, kv_cache, meta = make_batch([1 + len(parents), 1], [30 + len(parents), 17], block_size=8, num_kv_heads=2,
-                                       group=2, head_dim=16, dtype=torch.float32, seed=5)
-    meta.tree_masks = [(30, ancestor_mask(parents).to(DEVICE)), None]
-    assert_matches_reference(query, kv_cache, meta)
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, seq_lens, masks = [], [], []
+    for kind in kinds:
+        context = int(torch.randint(0, 70, (1,), generator=gen))
+        if kind[0] == "tree":
+            rows_before, nodes = kind[1], kind[2]
+            q_lens.append(rows_before + nodes)
+            seq_lens.append(context + rows_before + nodes)
+            masks.append((context + rows_before, ancestor_mask(random_parents(nodes, gen), rows_before)))
+        else:
+            q = {"chain": lambda: kind[1] + 1, "prefill": lambda: kind[1], "decode": lambda: 1}[kind[0]]()
+            q_lens.append(q)
+            seq_lens.append(context + q)
+            masks.append(None)
+    query, kv_cache, meta = make_batch(q_lens, seq_lens, block_size=block_size, num_kv_heads=num_kv_heads,
+                                       group=group, head_dim=head_dim, dtype=dtype, seed=seed)
+    meta.tree_masks = [m if m is None else (m[0], m[1].to(DEVICE)) for m in masks]
+    return query, kv_cache, meta
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_steps_in_a_ragged_batch_match_the_reference(group, seed):
+    """Trees (one of 24 nodes, one behind 3 real rows), a chain, a prefill chunk and a decode row
+    in one launch: every row's ancestor rule is applied by the kernel itself."""
+    kinds = [("tree", 1, 24), ("chain", 4), ("tree", 3, 7), ("prefill", 19), ("decode",), ("tree", 1, 5)]
+    assert_matches_reference(*tree_batch(kinds, group=group, seed=seed), num_kv_splits=1)
+
+
+@pytest.mark.parametrize("num_kv_splits", [2, 3])
+def test_tree_steps_through_split_kv_match_the_reference(num_kv_splits):
+    # a 40-node tree spans two mask words; its keys fall into several splits
+    kinds = [("tree", 1, 40), ("decode",), ("tree", 1, 9)]
+    batch = tree_batch(kinds, group=2, seed=7 + num_kv_splits, dtype=torch.bfloat16, block_size=16)
+    assert_matches_reference(*batch, num_kv_splits=num_kv_splits)
+
+
+def test_the_tree_mask_changes_the_kernel_output():
+    """Negative control: the same rows read causally differ from the tree result, so the
+    kernel cannot pass the tree tests by ignoring the mask."""
+    query, kv_cache, meta = tree_batch([("tree", 1, 12)], group=2, seed=3)
+    scale = query.shape[-1] ** -0.5
+    tree_out = paged_attention.paged_attention_triton(query, kv_cache, meta, scale, num_kv_splits=1)
+    meta_causal = _cpu(meta)
+    meta_causal.tree_masks = None
+    causal = paged_attention_reference(query.cpu(), kv_cache.cpu(), meta_causal, scale)
+    assert (tree_out.cpu() - causal).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize(
