@@ -83,9 +83,9 @@ def acceptance_tap(engine):
         engine.remove_step_observer(observe)
 
 
-def _timers(engine) -> tuple[float, float, float]:
+def _timers(engine) -> tuple[float, float, float, float]:
     m = engine.spec_metrics
-    return m.time_target, m.time_drafting, m.time_sampling
+    return m.time_target, m.time_drafting, m.time_sampling, m.time_comm
 
 
 def timed_generate(llm, prompts: list[list[int]], params: SamplingParams) -> RunResult:
@@ -119,7 +119,7 @@ def timed_generate(llm, prompts: list[list[int]], params: SamplingParams) -> Run
         t_end = time.perf_counter()
     if t_prefill_end is None:
         raise RuntimeError("generation ended before every request produced a token")
-    target, drafting, sampling = (a - b for a, b in zip(_timers(engine), timers_at_decode))
+    target, drafting, sampling, comm = (a - b for a, b in zip(_timers(engine), timers_at_decode))
     decode_s = t_end - t_prefill_end
     num_output = sum(len(t) for t in tokens.values())
     return RunResult(
@@ -127,7 +127,8 @@ def timed_generate(llm, prompts: list[list[int]], params: SamplingParams) -> Run
         num_decode_tokens=num_output - decode_start, prefill_s=t_prefill_end - t0, decode_s=decode_s,
         num_steps=num_steps, num_decode_steps=num_decode_steps,
         decode_breakdown_s={"target_forward": target, "drafting": drafting, "verification": sampling,
-                            "other": decode_s - target - drafting - sampling},
+                            "other": decode_s - target - drafting - sampling,
+                            "communication": comm},  # tensor parallelism: inside the parts above
         acceptance=acceptance, token_ids=[tokens[i] for i in ids],
     )
 

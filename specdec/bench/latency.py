@@ -115,6 +115,12 @@ def measure(args) -> dict:
         attainable_fraction=paired_fraction(base_rates, bandwidths, roof, attainable=True),
         speculative=None,
     )
+    if base.engine.config.tensor_parallel_size > 1:
+        result["tensor_parallel"] = {
+            "size": base.engine.config.tensor_parallel_size,
+            "peak_memory_bytes_per_rank": base.engine.executor.gather_rpc("peak_memory_bytes"),
+            "communication_s_per_decode_step": baseline["decode_breakdown_s"]["communication"]
+            / max(baseline["num_decode_steps"], 1)}
     if speculative:
         spec = summarize_runs(spec_runs)
         spec.update(speculation_figures(llm, base_runs, spec_runs, cost))
@@ -160,4 +166,9 @@ def render(result: dict) -> str:
         agree = spec["greedy_agreement"]
         lines.append(f"greedy outputs identical to no-speculation: {agree['identical_fraction']:.2f} "
                      f"of sequences (mean prefix agreement {agree['mean_prefix_agreement']:.3f})")
+    tp = result.get("tensor_parallel")
+    if tp:
+        peaks = ", ".join(f"{b / 2**20:.0f}" for b in tp["peak_memory_bytes_per_rank"])
+        lines.append(f"tensor parallel {tp['size']}: communication {1e3 * tp['communication_s_per_decode_step']:.2f} "
+                     f"ms per plain decode step; peak memory per rank (MiB): {peaks}")
     return "\n\n".join(lines)

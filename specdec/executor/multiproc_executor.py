@@ -67,6 +67,7 @@ def _serve(worker: Worker, tp: TensorParallelGroup) -> None:
             name, args = payload
             tp.gather_objects(getattr(worker, name)(*args))
         elif command == "stop":
+            tp.min_int(0)  # both sides done with the group before either tears it down
             return
 
 
@@ -109,7 +110,7 @@ class MultiprocExecutor(Executor):
         self.tp = tp
         self.driver_worker = Worker(cfg, *worker_args, tp=tp)
         self._stopped = False
-        self._finalizer = weakref.finalize(self, _stop, tp, self._procs)
+        self._finalizer = weakref.finalize(self, _stop, tp, self._procs, launched_by_torchrun())
 
     @property
     def num_kv_blocks(self) -> int:
@@ -151,13 +152,16 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
 
-def _stop(tp: TensorParallelGroup, procs: list) -> None:
+def _stop(tp: TensorParallelGroup, procs: list, default_group: bool) -> None:
     """Tell the ranks to stop (if they still listen), wait a little, then make sure they are gone."""
     if all(p.is_alive() for p in procs):
         try:
             tp.broadcast_object(("stop", None))
+            tp.min_int(0)
         except Exception:  # noqa: BLE001 - a broken group: the ranks are terminated below
             pass
+    if default_group:  # torchrun: tear the launcher's group down before the interpreter does
+        torch.distributed.destroy_process_group()
     deadline = time.monotonic() + min(5.0, timeout_seconds())
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))

@@ -105,6 +105,7 @@ class SpecDecodeMetrics:
     time_drafting: float = 0.0
     time_target: float = 0.0
     time_sampling: float = 0.0
+    time_comm: float = 0.0  # tensor parallelism: collectives and the step broadcast
 
     def observe(self, num_drafted: int, num_accepted: int, num_positions: int | None = None) -> None:
         """One request's verification: ``num_drafted`` tokens over ``num_positions`` positions (a
@@ -130,6 +131,7 @@ class SpecDecodeMetrics:
         self.time_drafting += result.draft_seconds
         self.time_target += result.target_seconds
         self.time_sampling += result.sampling_seconds
+        self.time_comm += result.comm_seconds
 
     @property
     def stats(self) -> SpecDecodeStats:
@@ -153,4 +155,5 @@ class SpecDecodeMetrics:
             "time_drafting_s": self.time_drafting,
             "time_target_s": self.time_target,
             "time_sampling_s": self.time_sampling,
+            "time_comm_s": self.time_comm,
         }

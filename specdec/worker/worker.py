@@ -161,6 +161,17 @@ class Worker:
         runner = self.runner if kind == "target" else self.draft_runner
         return time_forward(runner, num_tokens) if runner is not None else 0.0
 
+    def num_request_states(self) -> int:
+        return len(self.requests)
+
+    def peak_memory_bytes(self) -> int:
+        """This rank's peak memory: the device allocator's on GPUs, the process's RSS on CPUs."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
     def reset_proposer_history(self) -> None:
         if self.proposer is not None:
             self.proposer.reset_history()

@@ -39,7 +39,7 @@ def tp_llm(path: str, spec: dict | None = None, **kw) -> LLM:
 def assert_clean(llm: LLM) -> None:
     engine = llm.engine
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks and not engine.kv.req_blocks
-    assert not engine.executor.driver_worker.requests  # the driver rank holds no request state
+    assert engine.executor.gather_rpc("num_request_states") == [0, 0]  # no rank keeps a finished request
 
 
 def stop(llm: LLM) -> None:
