@@ -197,14 +197,16 @@ class AsyncEngine:
             logger.exception("engine step failed; isolating the request(s) that caused it")
             suspects = [rid for rid in self._fresh if rid in self._live]
             self._fresh = []
-            if self._isolation.isolate(suspects):
+            found, controlled = self._isolation.isolate(suspects)
+            if found and controlled:
                 self._num_unattributed = 0
                 return
-            self._num_unattributed += 1
+            self._num_unattributed += 1  # no good step to compare with: maybe the engine itself
             if self._num_unattributed >= MAX_UNATTRIBUTED_FAILURES:
                 raise RuntimeError(f"{self._num_unattributed} engine steps in a row failed and could not be "
                                    f"pinned on a request; the last: {e!r}") from e
-            self._fail_all(RuntimeError(f"engine step failed: {e!r}"), abort=True, reason="failed")
+            if not found:
+                self._fail_all(RuntimeError(f"engine step failed: {e!r}"), abort=True, reason="failed")
             return
         self._fresh = []
         self._num_unattributed = 0

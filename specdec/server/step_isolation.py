@@ -28,17 +28,20 @@ class StepIsolation:
     deliver: Callable[[list[RequestOutput]], None]  # a probe step's outputs, to their clients
     fail: Callable[[str, BaseException], None]  # an offender, with its step's error
 
-    def isolate(self, suspects: list[str]) -> bool:
-        """True if the failure was pinned on suspects (now failed); False if the rest fail without them."""
+    def isolate(self, suspects: list[str]) -> tuple[bool, bool]:
+        """(found, controlled): whether the failure was pinned on suspects (now failed), and whether
+        a step without them succeeded, which tells a bad request from an engine that fails every step.
+        (False, _): the rest fail without the suspects too."""
         if not suspects:
-            return False
+            return False, False
         self.abort(suspects)
-        if self.has_work():
+        controlled = self.has_work()
+        if controlled:
             try:
                 self.deliver(self.step())
             except Exception:  # noqa: BLE001 - the others fail alone: not the suspects' doing
                 logger.exception("the step still fails without the %d newest requests", len(suspects))
-                return False
+                return False, True
         groups = [suspects]
         found = False
         while groups:
@@ -56,4 +59,4 @@ class StepIsolation:
                 else:
                     mid = len(group) // 2
                     groups += [group[mid:], group[:mid]]
-        return found
+        return found, controlled
