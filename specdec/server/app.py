@@ -135,9 +135,10 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         logger.exception("unhandled error in %s", request.url.path)
         return error_response(APIError(500, f"internal server error: {type(e).__name__}"))
 
-    def check_api_key(request: Request) -> None:
+    async def check_api_key(request: Request) -> None:
         """A dependency of every /v1 route (not middleware: BaseHTTPMiddleware would sit
-        between streaming responses and the client's disconnect)."""
+        between streaming responses and the client's disconnect); async, because FastAPI runs
+        a sync dependency on its thread pool, one more thread (and malloc arena) per request."""
         if settings.api_key and not _bearer_ok(request, settings.api_key):
             raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
 

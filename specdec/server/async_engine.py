@@ -24,6 +24,7 @@ from specdec.engine.engine import LLMEngine
 from specdec.outputs import RequestOutput
 from specdec.sampling_params import SamplingParams
 from specdec.server.mailbox import Mailbox
+from specdec.server.memory import release_free_memory
 from specdec.server.metrics import ServerMetrics
 from specdec.server.step_isolation import StepIsolation
 
@@ -116,9 +117,13 @@ class AsyncEngine:
 
     # ---- engine thread ----
     def _run(self) -> None:
+        busy = False  # since the last time the engine went idle
         try:
             while True:
                 idle = not self.engine.has_unfinished_requests()
+                if idle and busy:
+                    release_free_memory()  # memory.py: RSS stays level from one burst to the next
+                busy = not idle
                 if not self._apply_commands(block=idle):
                     break
                 if self.engine.has_unfinished_requests():

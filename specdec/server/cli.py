@@ -14,8 +14,7 @@ from collections.abc import Callable
 from specdec.cli import add_engine_args, make_llm
 from specdec.server.admission import POLICIES
 from specdec.server.limits import RequestLimits
-
-_M_ARENA_MAX = -8  # glibc's mallopt parameter (malloc.h)
+from specdec.server.memory import limit_malloc_arenas
 
 
 def register_cli(subparsers) -> None:
@@ -67,21 +66,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stop", type=int, default=d.max_stop, help="stop strings per request")
     g.add_argument("--max-stop-length", type=int, default=d.max_stop_length, help="characters per stop string")
     g.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids)
-
-
-def limit_malloc_arenas(num_arenas: int = 2) -> bool:
-    """Cap glibc's malloc arenas (default: 8 per core), unless $MALLOC_ARENA_MAX already does.
-    Request threads and the engine thread each take an arena and leave freed tensor and
-    string memory stranded in it, so RSS grows round after round without a leak; with two
-    arenas it levels off after warm-up (docs/SERVER.md). Returns whether it applied."""
-    if "MALLOC_ARENA_MAX" in os.environ:
-        return False
-    try:
-        import ctypes
-
-        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, num_arenas))
-    except (OSError, AttributeError):
-        return False
 
 
 def settings_from_args(args, name: str):
