@@ -110,10 +110,10 @@ def check_answer(client: httpx.Client, path: str, raw: bytes) -> int:
 
 
 def test_fuzzed_requests_never_5xx_and_leave_the_server_idle(server):
-    statuses: list[int] = []
+    statuses: list[int] = []  # of the hypothesis bodies
     with httpx.Client(base_url=server.url, timeout=60) as client:
         for path, raw in CORPUS:
-            statuses.append(check_answer(client, path, raw))
+            check_answer(client, path, raw)  # a few are valid ("stop": [], a tool message)
         for path, body in CORPUS_OK:
             assert check_answer(client, path, json.dumps(body).encode()) == 200, body
 
@@ -127,8 +127,8 @@ def test_fuzzed_requests_never_5xx_and_leave_the_server_idle(server):
             statuses.append(check_answer(client, path, json.dumps(body, allow_nan=True).encode()))
 
         one()
-        assert len(statuses) >= len(CORPUS) + NUM_EXAMPLES // 2
-        assert statuses.count(200) >= 10 and any(400 <= s < 500 for s in statuses)  # both kinds were reached
+        assert len(statuses) >= NUM_EXAMPLES
+        assert statuses.count(200) >= 3 and statuses.count(400) >= NUM_EXAMPLES // 2  # both kinds were reached
         assert client.get("/health").json() == {"status": "ok"}
         ok = client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 4})
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
