@@ -115,9 +115,11 @@ def _delta(after: dict, before: dict, name: str) -> int:
 
 async def run_soak(url: str, headers: dict, model: str, prompts: list[str], pid: int | None, concurrency: int = 64,
                    rounds: int = 3, num_disconnects: int = 16, disconnect_after: int = 3, max_tokens: int = 64,
-                   stall_max_tokens: int = 200, idle_timeout: float = 30.0, terminate=None) -> dict:
-    """The soak against ``url``; ``terminate()`` (SIGTERM the server, return its exit status and
-    seconds to exit) enables the final SIGTERM round."""
+                   stall_max_tokens: int = 200, idle_timeout: float = 30.0, terminate=None, external=None) -> dict:
+    """The soak against ``url``; ``external(url, model)`` (an external load generator's run,
+    returning its ``requests`` and ``failures``) runs after the rounds, its counts compared with
+    the server's; ``terminate()`` (SIGTERM the server, return its exit status and seconds to
+    exit) enables the final SIGTERM round."""
     import httpx
 
     from specdec.bench.serve import percentile
@@ -159,8 +161,26 @@ async def run_soak(url: str, headers: dict, model: str, prompts: list[str], pid:
             if rnd > 0:
                 ttft += [o.ttft for o in outcomes if o.ttft is not None]
                 itl += [x for o in outcomes for x in o.itl]
+        ext = None
+        if external is not None:
+            before = await scrape(client)
+            ext = await asyncio.to_thread(external, url, model)
+            after, _ = await wait_idle(client, idle_timeout)
+            ext["server_success"] = sum(_delta(after, before, k) for k in after
+                                        if k.startswith("request_success") and k.endswith("_total"))
+            ext["server_aborted_or_failed"] = (_delta(after, before, "request_aborted_total")
+                                               + _delta(after, before, "request_failed_total"))
+            ext["leaked_kv_blocks"] = int(after["kv_cache_total_blocks"] - after["kv_cache_free_blocks"])
         sigterm = await _sigterm_round(client, model, prompts, concurrency, max_tokens, terminate) if terminate else None
-    return _verdict(records, ttft, itl, sigterm, percentile)
+    report = _verdict(records, ttft, itl, sigterm, percentile)
+    if ext is not None:
+        report["external"] = ext
+        report["checks"]["external_counts_match"] = (ext["requests"] > 0 and ext["failures"] == 0
+                                                     and ext["server_success"] == ext["requests"]
+                                                     and ext["server_aborted_or_failed"] == 0
+                                                     and ext["leaked_kv_blocks"] == 0)
+        report["passed"] = all(report["checks"].values())
+    return report
 
 
 async def _sigterm_round(client, model, prompts, concurrency, max_tokens, terminate) -> dict:
@@ -209,6 +229,8 @@ def format_report(report: dict) -> str:
                  f"ITL p50 {lat['itl_ms_p50']:.2f} ms, p99 {lat['itl_ms_p99']:.2f} ms")
     if report["rss_growth_after_warmup"] is not None:
         lines.append(f"RSS after the soak vs after warm-up: {100 * report['rss_growth_after_warmup']:+.2f}%")
+    if report.get("external"):
+        lines.append(f"locust: {report['external']}")
     if report["sigterm"]:
         lines.append(f"SIGTERM mid-round: {report['sigterm']}")
     lines.append("checks: " + ", ".join(f"{k}={'ok' if v else 'FAILED'}" for k, v in report["checks"].items()))
@@ -221,6 +243,8 @@ def add_soak_args(p) -> None:
     g.add_argument("--soak-rounds", type=int, default=3, help="measured rounds, after one warm-up round")
     g.add_argument("--soak-disconnects", type=int, default=16, help="clients per round that hang up mid-stream")
     g.add_argument("--soak-sigterm", action="store_true", help="end with SIGTERM mid-round (spawned server only)")
+    g.add_argument("--soak-locust", type=float, default=0.0, metavar="SECONDS",
+                   help="also drive the server with locust (installed in its own venv) for this long")
 
 
 async def _soak_at(args, url: str, pid: int | None, prompts: list[str], terminate) -> dict:
@@ -229,9 +253,18 @@ async def _soak_at(args, url: str, pid: int | None, prompts: list[str], terminat
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as c:
         info = (await c.get("/v1/models")).json()["data"][0]
+    external = None
+    if args.soak_locust > 0:
+        from specdec.server.locust_load import run_locust
+
+        def external(url: str, model: str) -> dict:
+            return run_locust(url, model, min(16, args.concurrency[0]), args.soak_locust, args.output_len,
+                              args.api_key)
+
     return await run_soak(url, headers, info["id"], prompts, pid, concurrency=args.concurrency[0],
                           rounds=args.soak_rounds, num_disconnects=args.soak_disconnects, max_tokens=args.output_len,
-                          stall_max_tokens=max(16, info["max_model_len"] - 64), terminate=terminate)
+                          stall_max_tokens=max(16, info["max_model_len"] - 64), terminate=terminate,
+                          external=external)
 
 
 def cmd_soak(args, prompts: list[str]) -> int:
