@@ -31,13 +31,17 @@ class Outcome:
     detail: str = ""
 
 
-async def stream_chat(client, payload: dict, disconnect_after: int | None = None) -> Outcome:
+async def stream_chat(client, payload: dict, disconnect_after: int | None = None,
+                      started: list | None = None) -> Outcome:
+    """One streaming chat request; ``started`` gets an entry once its 200 arrived (it is in flight)."""
     t0 = time.perf_counter()
     ttft, last, itl, num_chunks, finished, error = None, None, [], 0, False, None
     try:
         async with client.stream("POST", "/v1/chat/completions", json=payload) as r:
             if r.status_code != 200:
                 return Outcome("error", detail=f"HTTP {r.status_code}")
+            if started is not None:
+                started.append(1)
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -187,12 +191,16 @@ async def _sigterm_round(client, model, prompts, concurrency, max_tokens, termin
     payloads = [{"model": model, "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
                  "max_tokens": max_tokens * 4, "ignore_eos": True, "stream": True, "return_token_ids": True}
                 for i in range(concurrency)]
-    tasks = [asyncio.create_task(stream_chat(client, p)) for p in payloads]
-    await asyncio.sleep(1.0)  # streams are under way
+    started: list = []
+    tasks = [asyncio.create_task(stream_chat(client, p, started=started)) for p in payloads]
+    deadline = time.monotonic() + 120
+    while len(started) < len(tasks) and time.monotonic() < deadline:  # every stream in flight (its 200 sent)
+        await asyncio.sleep(0.05)
     status, exit_s = await asyncio.to_thread(terminate)
     outcomes = await asyncio.gather(*tasks)
-    return {"exit_status": status, "exit_s": round(exit_s, 2),
-            **{k: sum(o.kind == k for o in outcomes) for k in ("completed", "error", "lost")}}
+    return {"in_flight_at_sigterm": len(started), "exit_status": status, "exit_s": round(exit_s, 2),
+            **{k: sum(o.kind == k for o in outcomes) for k in ("completed", "error", "lost")},
+            "lost_details": sorted({o.detail for o in outcomes if o.kind == "lost"})[:3]}
 
 
 def _verdict(records: list[dict], ttft: list[float], itl: list[float], sigterm: dict | None, percentile) -> dict:
@@ -209,7 +217,8 @@ def _verdict(records: list[dict], ttft: list[float], itl: list[float], sigterm: 
     if warm_rss and final_rss:
         checks["rss_within_5pct_of_warmup"] = abs(final_rss - warm_rss) <= 0.05 * warm_rss
     if sigterm is not None:
-        checks["sigterm_clean"] = sigterm["exit_status"] == 0 and sigterm["lost"] == 0
+        checks["sigterm_clean"] = (sigterm["exit_status"] == 0 and sigterm["lost"] == 0
+                                   and sigterm["completed"] + sigterm["error"] == sigterm["in_flight_at_sigterm"])
     latency = {"ttft_ms_p50": 1e3 * percentile(ttft, 50), "ttft_ms_p99": 1e3 * percentile(ttft, 99),
                "itl_ms_p50": 1e3 * percentile(itl, 50), "itl_ms_p99": 1e3 * percentile(itl, 99)}
     return {"rounds": records, "latency": latency, "sigterm": sigterm, "checks": checks,
