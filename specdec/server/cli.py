@@ -6,8 +6,8 @@ import contextlib
 import ipaddress
 import logging
 import os
-import sys
 import signal
+import sys
 import threading
 from collections.abc import Callable
 

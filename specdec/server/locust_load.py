@@ -87,8 +87,9 @@ def run_locust(url: str, model: str, users: int, run_time: float, max_tokens: in
         cmd = [str(exe), "-f", str(locustfile), "--headless", "--host", url, "-u", str(users), "-r", str(users),
                "--run-time", f"{int(run_time)}s", "--stop-timeout", "120", "--csv", str(Path(tmp) / "run"),
                "--only-summary", "--loglevel", "WARNING"]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=run_time + 180)
-        rows = list(csv.DictReader(open(Path(tmp) / "run_stats.csv")))
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=run_time + 180, check=False)
+        stats_path = Path(tmp) / "run_stats.csv"
+        rows = list(csv.DictReader(stats_path.read_text().splitlines())) if stats_path.exists() else []
         counts = json.loads(counts_path.read_text()) if counts_path.exists() else None
     chat = next((r for r in rows if r["Name"] == "chat"), None)
     if chat is None or counts is None:

@@ -20,11 +20,18 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from specdec.server.admission import Admission
 from specdec.server.async_engine import AsyncEngine
-from specdec.server.tokenizer_pool import TokenizerPool, own_copy
 from specdec.server.generation import Generation
 from specdec.server.prepare import Prepared, Preparer
 from specdec.server.protocol import APIError
-from specdec.server.responses import ChoiceDelta, TokenText, chat_logprobs, completion_logprobs, holdback_for, usage
+from specdec.server.responses import (
+    ChoiceDelta,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    holdback_for,
+    usage,
+)
+from specdec.server.tokenizer_pool import TokenizerPool, own_copy
 
 logger = logging.getLogger("specdec.server")
 

@@ -11,7 +11,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import ServerProcess
 
 METRICS_KEY = "metrics-key-9"

@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-
 from test_server_errors import assert_error, post
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
