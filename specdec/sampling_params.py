@@ -1,9 +1,18 @@
-"""SamplingParams: the per-request sampling controls, vLLM names, validated on construction."""
+"""SamplingParams: the per-request sampling controls, vLLM names, validated on construction.
+
+Every numeric field has a finite, bounded range, so a value that passes here cannot overflow
+the step's tensors (``top_k`` is an int64 tensor and an int32 in the Triton kernel) or turn
+the logits into garbage (``temperature`` 1e308, ``repetition_penalty`` 1e-300).
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
+MAX_TEMPERATURE = 2.0  # OpenAI's range
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.1, 10.0
+MAX_INT32 = 2**31 - 1
 
 
 @dataclass
@@ -41,38 +50,44 @@ class SamplingParams:
         def bad(name: str, value, rule: str):
             raise ValueError(f"SamplingParams.{name} must be {rule}, got {value!r}")
 
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            bad("n", self.n, "an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:  # NaN fails too
-            bad("temperature", self.temperature, "a number >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def in_range(v, lo: float, hi: float) -> bool:  # NaN and the infinities fail
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
+
+        if not is_int(self.n) or not 1 <= self.n <= MAX_INT32:
+            bad("n", self.n, f"an integer in [1, {MAX_INT32}]")
+        if not in_range(self.temperature, 0.0, MAX_TEMPERATURE):
+            bad("temperature", self.temperature, f"a number in [0, {MAX_TEMPERATURE:g}]")
+        if not in_range(self.top_p, 0.0, 1.0) or self.top_p == 0:
             bad("top_p", self.top_p, "in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            bad("top_k", self.top_k, "an integer >= 0 (or -1 to disable)")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+        if not is_int(self.top_k) or not 0 <= self.top_k <= MAX_INT32:
+            bad("top_k", self.top_k, f"an integer in [0, {MAX_INT32}] (or -1 to disable)")
+        if not in_range(self.min_p, 0.0, 1.0):
             bad("min_p", self.min_p, "in [0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad("seed", self.seed, "an integer or None")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1
-        ):
-            bad("max_tokens", self.max_tokens, "an integer >= 1 or None")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad("min_tokens", self.min_tokens, "an integer >= 0")
+        # seed + n - 1 (a completion's generator) stays within torch.Generator's [-2**63, 2**64)
+        if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
+            bad("seed", self.seed, "an integer in [-2**63, 2**63) or None")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32):
+            bad("max_tokens", self.max_tokens, f"an integer in [1, {MAX_INT32}] or None")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_INT32:
+            bad("min_tokens", self.min_tokens, f"an integer in [0, {MAX_INT32}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", self.stop_token_ids, "a list of non-negative integers")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if not all(is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
+            bad("stop_token_ids", self.stop_token_ids, f"a list of integers in [0, {MAX_INT32}]")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             bad("logprobs", self.logprobs, "an integer in [0, 20] or None")
-        if not isinstance(self.presence_penalty, (int, float)) or not -2.0 <= self.presence_penalty <= 2.0:
+        if not in_range(self.presence_penalty, -2.0, 2.0):
             bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
-        if not isinstance(self.frequency_penalty, (int, float)) or not -2.0 <= self.frequency_penalty <= 2.0:
+        if not in_range(self.frequency_penalty, -2.0, 2.0):
             bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0:
-            bad("repetition_penalty", self.repetition_penalty, "> 0")
+        if not in_range(self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY):
+            bad("repetition_penalty", self.repetition_penalty,
+                f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]")
 
     @property
     def is_greedy(self) -> bool:

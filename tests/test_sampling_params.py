@@ -36,6 +36,11 @@ def test_clone_revalidates():
     ("logprobs", -1), ("logprobs", 21),
     ("presence_penalty", 2.5), ("frequency_penalty", -2.5),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", float("nan")),
+    # finite and bounded: values that overflow the step's tensors or make the logits garbage
+    ("top_k", 2**63), ("top_k", 2**31), ("temperature", float("inf")), ("temperature", 1e308), ("temperature", 50),
+    ("repetition_penalty", float("inf")), ("repetition_penalty", 1e-300), ("top_p", float("nan")),
+    ("presence_penalty", float("inf")), ("min_p", float("nan")), ("seed", 2**63), ("seed", -(2**63) - 1),
+    ("max_tokens", 2**62), ("min_tokens", 2**40), ("n", 2**40), ("stop_token_ids", [2**63]),
 ])
 def test_each_bad_field_raises_naming_it(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b") as e:
@@ -47,3 +52,9 @@ def test_min_tokens_above_max_tokens_names_both():
     with pytest.raises(ValueError, match=r"min_tokens.*max_tokens \(4\)"):
         SamplingParams(min_tokens=5, max_tokens=4)
     assert SamplingParams(min_tokens=5, max_tokens=None).min_tokens == 5
+
+
+def test_range_edges_are_accepted():
+    p = SamplingParams(temperature=2.0, top_k=2**31 - 1, repetition_penalty=10.0, seed=2**63 - 1, min_p=1.0)
+    assert (p.temperature, p.top_k, p.seed) == (2.0, 2**31 - 1, 2**63 - 1)
+    assert SamplingParams(repetition_penalty=0.1, seed=-(2**63), stop_token_ids=[2**31 - 1]).seed == -(2**63)

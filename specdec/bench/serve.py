@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from specdec.server.launcher import SpawnedServer, check_loopback, engine_argv
 from specdec.server.metrics import parse_spec_counters
+from specdec.server.soak import add_soak_args, cmd_soak
 
 KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
@@ -52,6 +53,7 @@ def add_serve_parser(bench_subparsers) -> argparse.ArgumentParser:
     g.add_argument("--dataset-seed", type=int, default=0)
     g.add_argument("--num-warmup", type=int, default=2)
     g.add_argument("--output-json", default=None)
+    add_soak_args(p)
     p.set_defaults(func=cmd_bench_serve)
     return p
 
@@ -255,6 +257,8 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 
 def cmd_bench_serve(args) -> int:
+    if args.soak:
+        return cmd_soak(args, make_prompts(args))
     if args.url:
         check_loopback(args.url)
         targets = [("server", args.url, None)]

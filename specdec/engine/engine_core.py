@@ -160,6 +160,3 @@ class EngineCore:
             prefix_cache_queries=self.kv.pool.num_cache_queries, prefix_cache_hits=self.kv.pool.num_cache_hits,
         )
         return out
-
-
-LLMEngine = EngineCore  # the name vLLM users and the server know

@@ -1,30 +1,38 @@
-"""The FastAPI app: routes, API-key check, OpenAI-shaped errors, engine thread lifecycle.
+"""The FastAPI app: routes, keys, OpenAI-shaped errors, the engine thread and the drain.
 
-``build_app(engine, settings)`` wires an LLMEngine into an app; the engine thread starts
-with the app's lifespan and is stopped (in-flight requests aborted, thread joined) when
-uvicorn shuts down, which it does on SIGTERM after draining open requests.
+``build_app(engine, settings)`` wires an EngineCore into an app; the engine thread starts
+with the app's lifespan. ``app.state.begin_drain()`` (cli.py calls it on SIGTERM / SIGINT)
+turns new requests away with 503 and, ``shutdown_timeout`` seconds later, ends whatever
+still runs with an in-band error (streams) or a 503 (the rest), so uvicorn's own drain,
+which would cut them, finds nothing left; then the engine thread is stopped and joined.
 """
 from __future__ import annotations
 
 import hmac
 import logging
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
-from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 import specdec
-from specdec.engine.engine_core import LLMEngine
+from specdec.engine.engine_core import EngineCore
 from specdec.server.admission import Admission
-from specdec.server.async_engine import AsyncEngine
+from specdec.server.allowed_hosts import AllowedHosts
+from specdec.server.async_engine import AsyncEngine, EngineDead
+from specdec.server.limits import RequestLimits
 from specdec.server.metrics import ServerMetrics
-from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from specdec.server.prepare import Preparer, max_token_chars
+from specdec.server.protocol import APIError
+from specdec.server.request_body import read_body
 from specdec.server.serving import OpenAIServing
+from specdec.server.tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger("specdec.server")
 
@@ -33,31 +41,77 @@ logger = logging.getLogger("specdec.server")
 class ServerSettings:
     model_name: str
     api_key: str | None = None
+    metrics_api_key: str | None = None  # required on /metrics when set
     max_queue: int = 256  # sequences that may wait for a batch slot, beyond max_num_seqs running
     queue_full_policy: str = "reject"  # "reject" -> 503, "wait" -> queue in arrival order
+    max_waiting: int = 256  # requests that may wait for admission (policy "wait")
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    write_timeout: float = 30.0  # a stream whose client takes no write for this long is aborted
+    tokenizer_workers: int = 2
+    max_pending_prepares: int = 64
+    shutdown_timeout: float = 30.0
     engine_stop_timeout: float = 30.0
+    enable_docs: bool = False  # /docs, /redoc, /openapi.json
+    allowed_hosts: list[str] = field(default_factory=list)  # empty: any Host header
+    on_engine_death: Callable[[], None] | None = None  # event-loop thread; cli.py exits non-zero
 
 
-def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
+def _bearer_ok(request: Request, key: str) -> bool:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
     async_engine = AsyncEngine(engine)
-    metrics = ServerMetrics(settings.model_name, lambda: async_engine.snapshot)
+    admission = Admission(engine.config.max_num_seqs + settings.max_queue, settings.queue_full_policy,
+                          settings.max_waiting)
+    metrics = ServerMetrics(settings.model_name, lambda: {**async_engine.snapshot,
+                                                          "admission_in_use": admission.num_in_use,
+                                                          "admission_waiting": admission.num_waiting})
     async_engine.metrics = metrics
-    admission = Admission(engine.config.max_num_seqs + settings.max_queue, settings.queue_full_policy)
-    serving = OpenAIServing(async_engine, admission, [settings.model_name])
+    pool = TokenizerPool(engine.tokenizer, settings.tokenizer_workers, settings.max_pending_prepares)
+    preparer = Preparer(settings.limits, [settings.model_name], engine.max_model_len, engine.vocab_size,
+                        admission.capacity, max_token_chars(engine.tokenizer), engine.validate_prompt)
+    serving = OpenAIServing(async_engine, admission, preparer, pool, settings.write_timeout)
     started = int(time.time())
+    limits = settings.limits
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        if settings.on_engine_death is not None:
+            async_engine.on_death = lambda: loop.call_soon_threadsafe(settings.on_engine_death)
+        app.state.loop = loop
         async_engine.start()
         logger.info("engine thread started; serving %r", settings.model_name)
         try:
             yield
         finally:
+            pool.shutdown()
             async_engine.stop(settings.engine_stop_timeout)
             logger.info("engine thread stopped")
 
-    app = FastAPI(title="specdec", version=specdec.__version__, lifespan=lifespan)
+    docs = {} if settings.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="specdec", version=specdec.__version__, lifespan=lifespan, **docs)
     app.state.async_engine, app.state.serving, app.state.metrics = async_engine, serving, metrics
+    if settings.allowed_hosts:
+        app.add_middleware(AllowedHosts, hosts=settings.allowed_hosts)
+
+    def begin_drain() -> None:
+        """Stop admitting; end what still runs ``shutdown_timeout`` s later (event-loop thread)."""
+        if serving.draining:
+            return
+        serving.draining = True
+        admission.close("the server is shutting down")
+        logger.info("draining: %d sequences in flight, %.0f s to finish", admission.num_in_use,
+                    settings.shutdown_timeout)
+        error = EngineDead(f"the server is shutting down: the request ran past --shutdown-timeout "
+                           f"({settings.shutdown_timeout:g} s)")
+        app.state.loop.call_later(settings.shutdown_timeout, async_engine.fail_all, error)
+
+    app.state.begin_drain = begin_drain
 
     def error_response(e: APIError) -> JSONResponse:
         metrics.request_rejected(e.status)
@@ -81,26 +135,24 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         logger.exception("unhandled error in %s", request.url.path)
         return error_response(APIError(500, f"internal server error: {type(e).__name__}"))
 
-    def check_api_key(request: Request) -> None:
+    async def check_api_key(request: Request) -> None:
         """A dependency of every /v1 route (not middleware: BaseHTTPMiddleware would sit
-        between streaming responses and the client's disconnect)."""
-        if not settings.api_key:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+        between streaming responses and the client's disconnect); async, because FastAPI runs
+        a sync dependency on its thread pool, one more thread (and malloc arena) per request."""
+        if settings.api_key and not _bearer_ok(request, settings.api_key):
             raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
 
     v1 = [Depends(check_api_key)]
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(request: Request):
-        req = parse_request(CompletionRequest, await request.body())
-        return await serving.completions(req, request)
+        body = await read_body(request, limits.max_body_bytes, limits.body_timeout)
+        return await serving.completions(body, request)
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(request: Request):
-        req = parse_request(ChatCompletionRequest, await request.body())
-        return await serving.chat(req, request)
+        body = await read_body(request, limits.max_body_bytes, limits.body_timeout)
+        return await serving.chat(body, request)
 
     @app.get("/v1/models", dependencies=v1)
     async def models():
@@ -110,17 +162,18 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        s = async_engine.snapshot
-        body = {"status": "ok" if async_engine.is_alive else "engine_dead",
-                "num_running": s.get("num_running"), "num_waiting": s.get("num_waiting"),
-                "num_in_flight": s.get("num_in_flight"), "num_free_kv_blocks": s.get("num_free_kv_blocks"),
-                "num_kv_blocks": s.get("num_kv_blocks"), "admission_in_use": admission.num_in_use,
-                "admission_waiting": admission.num_waiting,
-                "admission_capacity": admission.capacity}
-        return JSONResponse(body, status_code=200 if async_engine.is_alive else 503)
+        """Liveness for probes, without internals (those are in /metrics)."""
+        if not async_engine.is_alive:
+            return JSONResponse({"status": "engine_dead"}, status_code=503)
+        if serving.draining:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return {"status": "ok"}
 
     @app.get("/metrics")
-    async def prometheus_metrics():
+    async def prometheus_metrics(request: Request):
+        if settings.metrics_api_key and not _bearer_ok(request, settings.metrics_api_key):
+            raise APIError(401, "missing or invalid metrics key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key")
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")

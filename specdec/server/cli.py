@@ -6,12 +6,15 @@ import contextlib
 import ipaddress
 import logging
 import os
-import sys
 import signal
+import sys
 import threading
+from collections.abc import Callable
 
 from specdec.cli import add_engine_args, make_llm
 from specdec.server.admission import POLICIES
+from specdec.server.limits import RequestLimits
+from specdec.server.memory import limit_malloc_arenas
 
 
 def register_cli(subparsers) -> None:
@@ -34,33 +37,87 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="sequences that may wait for a batch slot beyond --max-num-seqs running")
     g.add_argument("--queue-full-policy", choices=POLICIES, default="reject",
                    help="when the queue is full: answer 503 (reject) or hold the request until there is room (wait)")
+    g.add_argument("--max-waiting", type=int, default=256,
+                   help="requests that may wait for admission under --queue-full-policy wait (then 503)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
+                   help="seconds in-flight requests may take to finish after SIGTERM; then they end with an error")
+    g.add_argument("--write-timeout", type=float, default=30.0,
+                   help="seconds a stream may wait for its client to read before it is aborted")
+    g.add_argument("--tokenizer-workers", type=int, default=2,
+                   help="threads that parse, template and tokenize requests off the event loop")
+    g.add_argument("--max-pending-prepares", type=int, default=64,
+                   help="requests that may be parsed / tokenized or wait for it at once (then 503)")
+    g.add_argument("--metrics-api-key", default=os.environ.get("SPECDEC_METRICS_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /metrics (default: $SPECDEC_METRICS_API_KEY)")
+    g.add_argument("--allowed-hosts", default="",
+                   help="comma-separated Host header names to accept (e.g. localhost,127.0.0.1); default: any")
+    g.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g = p.add_argument_group("request limits (each breach is a 4xx naming the limit)")
+    d = RequestLimits()
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                   help="seconds for a request body to arrive (then 408)")
+    g.add_argument("--max-messages", type=int, default=d.max_messages)
+    g.add_argument("--max-n", type=int, default=d.max_n)
+    g.add_argument("--max-tokens-limit", type=int, default=None,
+                   help="the largest max_tokens / min_tokens a request may ask for (default: --max-model-len)")
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+    g.add_argument("--max-stop", type=int, default=d.max_stop, help="stop strings per request")
+    g.add_argument("--max-stop-length", type=int, default=d.max_stop_length, help="characters per stop string")
+    g.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids)
 
 
-def cmd_serve(args) -> int:
-    import uvicorn
-
-    from specdec.server.app import ServerSettings, build_app
+def settings_from_args(args, name: str):
+    from specdec.server.app import ServerSettings
 
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    for flag in ("write_timeout", "shutdown_timeout"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    limits = RequestLimits(max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                           max_messages=args.max_messages, max_n=args.max_n, max_tokens=args.max_tokens_limit,
+                           max_logprobs=args.max_logprobs, max_stop=args.max_stop,
+                           max_stop_length=args.max_stop_length, max_stop_token_ids=args.max_stop_token_ids)
+    return ServerSettings(model_name=name, api_key=args.api_key, metrics_api_key=args.metrics_api_key,
+                          max_queue=args.max_queue, queue_full_policy=args.queue_full_policy,
+                          max_waiting=args.max_waiting, limits=limits, write_timeout=args.write_timeout,
+                          tokenizer_workers=args.tokenizer_workers, max_pending_prepares=args.max_pending_prepares,
+                          shutdown_timeout=args.shutdown_timeout, engine_stop_timeout=args.shutdown_timeout + 10.0,
+                          enable_docs=args.enable_docs,
+                          allowed_hosts=[h for h in args.allowed_hosts.split(",") if h.strip()])
+
+
+def cmd_serve(args) -> int:
+    """Serve until SIGTERM / SIGINT (exit 0 after the drain) or until the engine thread dies
+    (exit 1, so that a supervisor such as systemd or Kubernetes restarts the process)."""
+    import uvicorn
+
+    from specdec.server.app import build_app
+
+    limit_malloc_arenas()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("specdec.server")
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
+    settings = settings_from_args(args, args.served_model_name or args.model or "specdec-default")
     llm = make_llm(args)
-    name = args.served_model_name or args.model or "specdec-default"
-    settings = ServerSettings(model_name=name, api_key=args.api_key, max_queue=args.max_queue,
-                              queue_full_policy=args.queue_full_policy,
-                              engine_stop_timeout=args.shutdown_timeout + 10.0)
+    server = None
+
+    def engine_died() -> None:
+        log.error("the engine thread died; exiting with status 1 so that the supervisor restarts the server")
+        server.should_exit = True
+
+    settings.on_engine_death = engine_died
     app = build_app(llm.engine, settings)
+    # uvicorn's own drain is the backstop: begin_drain ends every request at --shutdown-timeout
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
-    # SIGINT/SIGTERM: stop accepting, drain open requests, lifespan shutdown (engine thread joined)
-    _uvicorn_server_class()(config).run()
-    return 0
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5.0,
+                            access_log=args.log_level == "debug")
+    server = _uvicorn_server_class()(config, on_exit_signal=app.state.begin_drain)
+    server.run()
+    return 1 if app.state.async_engine.error is not None else 0
 
 
 def _uvicorn_server_class():
@@ -68,19 +125,38 @@ def _uvicorn_server_class():
 
     class Server(uvicorn.Server):
         """uvicorn re-raises a handled SIGTERM after shutting down, so the process dies of the
-        signal (status 143); a graceful shutdown here is a clean exit, status 0."""
+        signal (status 143); a graceful shutdown here is a clean exit, status 0. The first
+        signal also starts the app's drain; signals after the server is done are ignored, so a
+        second SIGTERM during teardown cannot turn the clean exit into a 143."""
+
+        def __init__(self, config, on_exit_signal: Callable[[], None]):
+            super().__init__(config)
+            self._on_exit_signal = on_exit_signal
+            self._loop = None
+
+        async def startup(self, sockets=None) -> None:
+            import asyncio
+
+            self._loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        def handle_exit(self, sig, frame) -> None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._on_exit_signal)  # a signal handler: not on the loop's stack
+            super().handle_exit(sig, frame)
 
         @contextlib.contextmanager
         def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self.handle_exit)
             try:
                 yield
             finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(sig, signal.SIG_IGN)
 
     return Server
 

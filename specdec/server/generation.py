@@ -1,20 +1,19 @@
 """Generation: the engine requests behind one HTTP request, from admission to cleanup.
 
 ``admit`` takes admission slots, ``submit`` hands the prompts to the engine thread,
-``updates`` yields the outputs that changed (coalescing cumulative outputs a slow reader
-missed), and ``close`` — always called, however the HTTP request ends — aborts whatever is
+``updates`` yields the outputs that changed (a Mailbox keeps only the latest of each), and ``close`` — always called, however the HTTP request ends — aborts whatever is
 unfinished and returns the slots. Event-loop thread only.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
 from specdec.outputs import RequestOutput
 from specdec.sampling_params import SamplingParams
-from specdec.server.admission import Admission, QueueFull
+from specdec.server.admission import Admission, Closed, QueueFull
 from specdec.server.async_engine import AsyncEngine, EngineDead, EngineRequest
+from specdec.server.mailbox import Mailbox
 from specdec.server.protocol import APIError
 
 
@@ -32,7 +31,7 @@ class Generation:
         self.num_slots = len(self.requests) * params.n
         self.num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
         self.arrival = time.monotonic()  # TTFT counts the time spent waiting for admission too
-        self._sink: asyncio.Queue = asyncio.Queue()
+        self._sink = Mailbox()
         self._admitted = False
         self._submitted = False
         self._closed = False
@@ -44,6 +43,8 @@ class Generation:
             await self.admission.acquire(self.num_slots)
         except QueueFull as e:
             raise APIError(503, str(e), code="queue_full") from None
+        except Closed as e:
+            raise APIError(503, str(e), code="shutting_down") from None
         except ValueError as e:
             raise APIError(400, str(e), param="n") from None
         self._admitted = True
@@ -63,13 +64,12 @@ class Generation:
     async def updates(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
         """Yield ``[(prompt_index, latest cumulative output)]`` for the prompts that advanced."""
         while self.unfinished:
-            items = [await self._sink.get()]
-            while not self._sink.empty():
-                items.append(self._sink.get_nowait())
+            try:
+                items = await self._sink.take()
+            except Exception as e:  # noqa: BLE001 - the engine thread's verdict on this request
+                raise _as_api_error(e) from None
             changed: dict[int, RequestOutput] = {}
             for item in items:
-                if isinstance(item, BaseException):
-                    raise _as_api_error(item)
                 i = self.index[item.request_id]
                 self.latest[i] = changed[i] = item
                 if item.finished:
@@ -94,4 +94,4 @@ def _as_api_error(e: BaseException) -> APIError:
         return APIError(400, str(e))
     if isinstance(e, EngineDead):
         return APIError(503, str(e), code="engine_unavailable")
-    return APIError(500, f"internal error: {e}")
+    return APIError(500, f"internal error: {e}", code="engine_step_failed")

@@ -60,6 +60,10 @@ class _EngineCollector:
                            s.get("num_in_flight", 0))
         yield self._family(c, "num_preemptions", "Sequences preempted for lack of KV blocks.",
                            s.get("num_preemptions", 0))
+        yield self._family(g, "admission_in_use", "Admission slots (sequences) held by requests.",
+                           s.get("admission_in_use", 0))
+        yield self._family(g, "admission_waiting", "Requests waiting for admission slots (policy 'wait').",
+                           s.get("admission_waiting", 0))
 
 
 class ServerMetrics:
@@ -78,6 +82,7 @@ class ServerMetrics:
         self._success = counter("request_success", "Finished prompts (engine requests), by finish reason.",
                                 ["finished_reason"])
         self._aborted = counter("request_aborted", "Prompts aborted (client gone, shutdown).").labels(model_name)
+        self._failed = counter("request_failed", "Prompts failed by an engine step that raised.").labels(model_name)
         self._rejected = counter("request_rejected", "Requests answered with an error, by HTTP status.", ["status"])
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.").labels(model_name)
         self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(model_name)
@@ -89,8 +94,11 @@ class ServerMetrics:
         self.model_name = model_name
 
     def request_finished(self, reason: str) -> None:
+        """``reason``: a finish reason ("stop", "length"), "abort" or "failed"."""
         if reason == "abort":
             self._aborted.inc()
+        elif reason == "failed":
+            self._failed.inc()
         else:
             self._success.labels(self.model_name, reason).inc()
 

@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from specdec.sampling_params import SamplingParams
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                408: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
                 503: "service_unavailable_error", 500: "internal_server_error"}
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # what chat templates render; others can forge turns
 
 
 class APIError(Exception):
@@ -24,16 +26,22 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
+        # OpenAI's code is a string or null, never the status
         return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "api_error"),
-                          "param": self.param, "code": self.code if self.code is not None else self.status}}
+                          "param": self.param, "code": self.code}}
 
 
 def validation_error(e: ValidationError) -> APIError:
     """The first pydantic error, as a 400 naming the field path (``messages.0.content``)."""
     err = e.errors(include_url=False)[0]
     loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
-    received = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], (dict, list)) else ""
+    received = f" (got {_short(err['input'])})" if "input" in err and not isinstance(err["input"], (dict, list)) else ""
     return APIError(400, f"invalid value for '{loc}': {err['msg']}{received}", param=loc or None)
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def _is_union_tag(part) -> bool:  # pydantic names union members in loc: "list[int]", "function-after[...]"
@@ -149,7 +157,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     model_config = ConfigDict(strict=True, extra="allow")  # name, tool_call_id ... pass to the template
-    role: str
+    role: Literal[CHAT_ROLES]
     content: str | list[TextPart] | None = None
 
     def as_template_dict(self) -> dict:
@@ -166,11 +174,16 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
+    functions: list | None = None  # legacy function calling
+    function_call: Any = None
     response_format: dict | None = None
     add_generation_prompt: bool = True
 
     def to_sampling_params(self) -> SamplingParams:
         self._check_unsupported()
+        for legacy in ("functions", "function_call"):
+            if getattr(self, legacy) is not None:
+                raise APIError(400, f"{legacy} (legacy function calling) is not supported", param=legacy)
         if self.tools:
             raise APIError(400, "tools (function calling) are not supported", param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -185,19 +198,3 @@ class ChatCompletionRequest(_SamplingFields):
 
     def template_messages(self) -> list[dict]:
         return [m.as_template_dict() for m in self.messages]
-
-
-def parse_request(model: type[BaseModel], body: bytes):
-    """Raw body -> request model; malformed JSON and wrong types are 400s naming the problem."""
-    import json
-
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None

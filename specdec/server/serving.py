@@ -1,15 +1,15 @@
 """OpenAI completions and chat completions on top of AsyncEngine.
 
-Both endpoints run one pipeline: validate -> tokenize (the front end's own tokenizer copy;
-HF fast tokenizers are not safe to share with the engine thread) -> admit -> submit ->
-answer, as one JSON body or as server-sent events. A client that goes away is noticed
-(non-streaming: an ``http.disconnect`` on the receive channel; streaming: the response
-task is cancelled) and its engine requests are aborted.
+Both endpoints run one pipeline: prepare (parse, validate, template, tokenize: prepare.py,
+on a TokenizerPool thread) -> admit -> submit -> answer, as one JSON body or as server-sent
+events. A stream is admitted before its 200, so a full queue is a status, not an event. A
+client that goes away is noticed (non-streaming: an ``http.disconnect`` on the receive
+channel; streaming: the response task is cancelled) and its engine requests are aborted; so
+is a stream whose client stops reading for ``write_timeout`` seconds.
 """
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import time
@@ -21,32 +21,43 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from specdec.server.admission import Admission
 from specdec.server.async_engine import AsyncEngine
 from specdec.server.generation import Generation
-from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from specdec.server.responses import ChoiceDelta, TokenText, chat_logprobs, completion_logprobs, holdback_for, usage
+from specdec.server.prepare import Prepared, Preparer
+from specdec.server.protocol import APIError
+from specdec.server.responses import (
+    ChoiceDelta,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    holdback_for,
+    usage,
+)
+from specdec.server.tokenizer_pool import TokenizerPool, own_copy
 
 logger = logging.getLogger("specdec.server")
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, admission: Admission, model_names: list[str]):
+    def __init__(self, engine: AsyncEngine, admission: Admission, preparer: Preparer, pool: TokenizerPool,
+                 write_timeout: float = 30.0):
         self.engine = engine
         self.admission = admission
-        self.model_names = model_names
-        self.tokenizer = _own_copy(engine.engine.tokenizer)
+        self.preparer = preparer
+        self.pool = pool
+        self.write_timeout = write_timeout
+        self.model_names = preparer.model_names
+        self.tokenizer = own_copy(engine.engine.tokenizer)  # event-loop thread: echo and logprob texts
         self.token_text = TokenText(self.tokenizer)
+        self.draining = False  # set at shutdown: new requests are a 503
 
-    # ---- shared pipeline ----
-    def check_model(self, name: str | None) -> str:
-        if name is not None and name not in self.model_names:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves {self.model_names}",
-                           param="model", code="model_not_found")
-        return self.model_names[0]
+    def _check_open(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
 
-    def validate_prompt(self, ids: list[int], param: str) -> None:
-        try:
-            self.engine.engine.validate_prompt(ids)  # reads only immutable engine fields
-        except ValueError as e:
-            raise APIError(400, str(e), param=param) from None
+    async def _prepare(self, fn, body: bytes) -> Prepared:
+        self._check_open()
+        prepared = await self.pool.run(fn, body)
+        self._check_open()  # a shutdown may have begun while it was prepared
+        return prepared
 
     async def _respond(self, raw: Request, gen: Generation, stream: bool, body, chunks) -> Response:
         """``body(gen)``: the JSON answer; ``chunks(gen)``: the SSE event iterator."""
@@ -55,28 +66,20 @@ class OpenAIServing:
                 return await _until_done_or_disconnected(raw, gen, body)
             finally:
                 gen.close()
-        try:
-            if self.admission.policy == "reject":
-                await gen.start()  # a full queue is a 503 status, before any event is sent
+        try:  # admitted before the 200: a full queue is a 503 status, not an in-band event
+            admitted = await _unless_disconnected(raw, gen.start())
         except BaseException:
             gen.close()
             raise
-        return _GenerationStream(_sse(gen, chunks), gen)
+        if not admitted:
+            gen.close()
+            return Response(status_code=499)  # nobody reads this: the client left while waiting
+        return _GenerationStream(_sse(gen, chunks), gen, self.write_timeout)
 
     # ---- /v1/completions ----
-    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
-        model = self.check_model(req.model)
-        params = req.to_sampling_params()
-        texts, ids = [], []
-        for p in req.prompts():
-            if isinstance(p, str):
-                texts.append(p)
-                ids.append(self.tokenizer.encode(p))
-            else:
-                texts.append(None)
-                ids.append(list(p))
-        for prompt_ids in ids:
-            self.validate_prompt(prompt_ids, "prompt")
+    async def completions(self, body: bytes, raw: Request) -> Response:
+        prep = await self._prepare(self.preparer.completion, body)
+        req, model, params, ids, texts = prep.req, prep.model, prep.params, prep.prompt_ids, prep.prompt_texts
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         gen = Generation(self.engine, self.admission, rid, ids, texts, params)
         n, top = params.n, params.logprobs or 0
@@ -131,11 +134,9 @@ class OpenAIServing:
         return await self._respond(raw, gen, req.stream, body, chunks)
 
     # ---- /v1/chat/completions ----
-    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        model = self.check_model(req.model)
-        params = req.to_sampling_params()
-        ids = self._apply_chat_template(req)
-        self.validate_prompt(ids, "messages")
+    async def chat(self, body: bytes, raw: Request) -> Response:
+        prep = await self._prepare(self.preparer.chat, body)
+        req, model, params, ids = prep.req, prep.model, prep.params, prep.prompt_ids[0]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         gen = Generation(self.engine, self.admission, rid, [ids], [None], params)
         top = params.logprobs or 0
@@ -182,32 +183,12 @@ class OpenAIServing:
 
         return await self._respond(raw, gen, req.stream, body, chunks)
 
-    def _apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
-        try:
-            ids = self.tokenizer.apply_chat_template(req.template_messages(), tokenize=True,
-                                                     add_generation_prompt=req.add_generation_prompt)
-        except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are the client's
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-
     @staticmethod
     def _chunk(head: dict, req, choice: dict) -> dict:
         chunk = {**head, "choices": [choice]}
         if req.include_usage:
             chunk["usage"] = None
         return chunk
-
-
-def _own_copy(tokenizer):
-    try:
-        return copy.deepcopy(tokenizer)
-    except Exception:  # noqa: BLE001 - share it; encode/decode are read-mostly
-        logger.warning("could not copy the tokenizer; the front end shares the engine's")
-        return tokenizer
 
 
 async def _until_done_or_disconnected(raw: Request, gen: Generation, body) -> Response:
@@ -228,6 +209,22 @@ async def _until_done_or_disconnected(raw: Request, gen: Generation, body) -> Re
     return JSONResponse(work.result())  # re-raises the work's APIError, if any
 
 
+async def _unless_disconnected(raw: Request, work) -> bool:
+    """Await ``work``; False (and ``work`` cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        gone.cancel()
+    if task.cancelled():
+        return False
+    task.result()  # re-raises an admission error
+    return True
+
+
 async def _wait_for_disconnect(raw: Request) -> None:
     while (await raw.receive())["type"] != "http.disconnect":
         pass
@@ -243,16 +240,31 @@ async def _sse(gen: Generation, chunks):
     yield "data: [DONE]\n\n"
 
 
+class _ClientStalled(Exception):
+    pass
+
+
 class _GenerationStream(StreamingResponse):
     """An SSE response that closes its Generation however the response ends, even if the
-    body iterator never started (client gone before the first byte)."""
+    body iterator never started (client gone before the first byte), and gives up on a
+    client that has not taken a write for ``write_timeout`` seconds (its socket buffers are
+    full): the engine request is aborted and its KV blocks and admission slots freed."""
 
-    def __init__(self, content, gen: Generation):
+    def __init__(self, content, gen: Generation, write_timeout: float):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._gen = gen
+        self._write_timeout = write_timeout
 
     async def __call__(self, scope, receive, send) -> None:
+        async def timed_send(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self._write_timeout)
+            except asyncio.TimeoutError:
+                raise _ClientStalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send)
+        except _ClientStalled:
+            logger.warning("a client stopped reading its stream for %.0f s; aborting its request", self._write_timeout)
         finally:
             self._gen.close()

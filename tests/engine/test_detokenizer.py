@@ -58,3 +58,47 @@ def test_incremental_text_matches_full_decode_metaspace(skip):
 def test_incremental_text_matches_full_decode_with_specials(make_char_tokenizer):
     tok = make_char_tokenizer()
     _check(tok, len(tok), skip_special_tokens=True, seed=2)
+
+
+def _run_until_stop(proc: OutputProcessor, tokenizer, text: str, stops: list[str], per_step: int = 1, **kw):
+    """Feed ``text`` (character tokens) ``per_step`` tokens at a time until a stop string ends it."""
+    params = SamplingParams(max_tokens=1000, stop=stops, **kw)
+    req = Request("r", [0], params)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for i, tid in enumerate(ids):
+        if proc.append_token(req, tid) is not None:
+            return req, i + 1
+    return req, None
+
+
+def test_stop_strings_cut_at_the_earliest_match_whatever_their_order(make_char_tokenizer):
+    tok = make_char_tokenizer()
+    proc = OutputProcessor(tok, max_model_len=1 << 20)
+    for stops in (["b", "ab"], ["ab", "b"]):
+        req, num_tokens = _run_until_stop(proc, tok, "xaby", stops)
+        # "b" completes first (token 3), and the earliest stop ending there is "ab", starting at 1
+        assert (req.output_text, req.stop_reason, num_tokens) == ("x", "ab", 3)
+    req, _ = _run_until_stop(proc, tok, "xaby", ["b", "ab"], include_stop_str_in_output=True)
+    assert req.output_text == "xab"
+    req, num_tokens = _run_until_stop(proc, tok, "the cat sat on", ["t sat", "cat sat", "zz"])
+    assert (req.output_text, req.stop_reason, num_tokens) == ("the ", "cat sat", 11)  # both end at token 11
+
+
+def test_stop_strings_match_a_brute_force_search_on_random_text(make_char_tokenizer):
+    """Random text over 3 letters and 1-4 random stops of 1-4 letters: the text is cut at the
+    first token after which some stop occurs, before the earliest occurrence; 300 cases."""
+    tok = make_char_tokenizer()
+    proc = OutputProcessor(tok, max_model_len=1 << 20)
+    rng = random.Random(3)
+    for _ in range(300):
+        text = "".join(rng.choice("abc") for _ in range(rng.randrange(1, 40)))
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(1, 5))]
+        req, num_tokens = _run_until_stop(proc, tok, text, stops)
+        first_end = min((text.find(s) + len(s) for s in stops if s in text), default=None)
+        assert num_tokens == first_end
+        if first_end is None:
+            assert req.output_text == text
+            continue
+        prefix = text[:first_end]
+        cut = min(prefix.find(s) for s in stops if s in prefix)
+        assert req.output_text == text[:cut] and not any(s in req.output_text for s in stops)

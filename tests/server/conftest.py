@@ -36,6 +36,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
+        self.metrics_headers: dict = {}  # set when the server has --metrics-api-key
         self.max_model_len = MAX_MODEL_LEN
         self.log_path = log_path
         args = [sys.executable, "-m", "specdec.server", "--model", str(model), "--port", str(self.port),
@@ -79,7 +80,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """``name{labels}`` -> value, with the model_name label dropped for brevity."""
-        text = httpx.get(self.url + "/metrics", timeout=5.0).text
+        text = httpx.get(self.url + "/metrics", headers=self.metrics_headers, timeout=5.0).text
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):

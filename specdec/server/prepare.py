@@ -1,0 +1,111 @@
+"""Preparer: a raw body -> a validated request, its SamplingParams and its prompt token ids.
+
+Runs on a TokenizerPool thread (``fn(tokenizer, body)``), cheapest check first: strict JSON,
+the model name, the server's limits, the sampling values, the prompts x n capacity, a text's
+length against the context (each token spans at most ``max_token_chars`` characters, so a
+longer text cannot fit and is never tokenized), then the template and the tokenizer.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specdec.sampling_params import SamplingParams
+from specdec.server.limits import RequestLimits, check_limits
+from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from specdec.server.request_body import parse_request
+
+
+@dataclass
+class Prepared:
+    req: CompletionRequest | ChatCompletionRequest
+    model: str
+    params: SamplingParams
+    prompt_ids: list[list[int]]
+    prompt_texts: list[str | None]
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token's text can have (its vocabulary string bounds its decoding)."""
+    try:
+        return max(1, max(len(t) for t in tokenizer.get_vocab()))
+    except Exception:  # noqa: BLE001 - no bound known: never skip tokenizing on length
+        return 1 << 30
+
+
+@dataclass
+class Preparer:
+    limits: RequestLimits
+    model_names: list[str]
+    max_model_len: int
+    vocab_size: int
+    capacity: int  # admission capacity, in sequences
+    max_token_chars: int
+    validate_prompt: Callable[[list[int]], None]  # EngineCore.validate_prompt: reads immutable fields only
+
+    def check_model(self, name: str | None) -> str:
+        if name is not None and name not in self.model_names:
+            raise APIError(404, f"the model '{name[:200]}' does not exist; this server serves {self.model_names}",
+                           param="model", code="model_not_found")
+        return self.model_names[0]
+
+    def _common(self, req, num_prompts: int) -> tuple[str, SamplingParams]:
+        model = self.check_model(req.model)
+        check_limits(req, self.limits, self.max_model_len, self.vocab_size)
+        params = req.to_sampling_params()
+        if num_prompts * params.n > self.capacity:
+            raise APIError(400, f"the request needs {num_prompts * params.n} sequences (prompts x n), more than "
+                                f"this server's capacity of {self.capacity}", param="n")
+        return model, params
+
+    def _check_length(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_model_len * self.max_token_chars:
+            raise APIError(400, f"{param} is {num_chars} characters, at least "
+                                f"{-(-num_chars // self.max_token_chars)} tokens: longer than the model's context "
+                                f"(max_model_len is {self.max_model_len})", param=param)
+
+    def _validate_ids(self, ids: list[int], param: str) -> None:
+        try:
+            self.validate_prompt(ids)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
+
+    def completion(self, tokenizer, body: bytes) -> Prepared:
+        req = parse_request(CompletionRequest, body)
+        prompts = req.prompts()
+        model, params = self._common(req, len(prompts))
+        texts, ids = [], []
+        for p in prompts:
+            if isinstance(p, str):
+                self._check_length(len(p), "prompt")
+                texts.append(p)
+                ids.append(_encode(tokenizer, p))
+            else:
+                texts.append(None)
+                ids.append(list(p))
+            self._validate_ids(ids[-1], "prompt")
+        return Prepared(req, model, params, ids, texts)
+
+    def chat(self, tokenizer, body: bytes) -> Prepared:
+        req = parse_request(ChatCompletionRequest, body)
+        model, params = self._common(req, 1)
+        messages = req.template_messages()
+        self._check_length(sum(len(m.get("content") or "") for m in messages), "messages")
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
+        try:
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are the client's
+            raise APIError(400, f"the chat template rejected the messages: {str(e)[:300]}", param="messages") from None
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        ids = list(ids)
+        self._validate_ids(ids, "messages")
+        return Prepared(req, model, params, [ids], [None])
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    try:
+        return tokenizer.encode(text)
+    except Exception as e:  # noqa: BLE001 - what the tokenizer refuses is the client's input
+        raise APIError(400, f"the tokenizer rejected the prompt: {str(e)[:300]}", param="prompt") from None
