@@ -133,6 +133,14 @@ def validate_num_speculative_tokens(num_speculative_tokens: int) -> None:
         )
 
 
+
+def check_batch_lengths(token_ids, num_tokens, request_ids) -> None:
+    if not len(token_ids) == len(num_tokens) == len(request_ids):
+        raise ValueError(
+            f"token_ids, num_tokens and request_ids must have equal lengths, got "
+            f"{len(token_ids)}, {len(num_tokens)}, {len(request_ids)}"
+        )
+
 class NgramProposer:
     """Prompt-lookup proposer; draft cost ~0 so it is always worth drafting the full K."""
 
@@ -155,11 +163,7 @@ class NgramProposer:
     ) -> list[list[int]]:
         """Drafts for a batch; ``num_tokens[i]`` is the K wanted for request i (0 -> [],
         capped at ``num_speculative_tokens``)."""
-        if not len(token_ids) == len(num_tokens) == len(request_ids):
-            raise ValueError(
-                f"token_ids, num_tokens and request_ids must have equal lengths, got "
-                f"{len(token_ids)}, {len(num_tokens)}, {len(request_ids)}"
-            )
+        check_batch_lengths(token_ids, num_tokens, request_ids)
         drafts = []
         for tokens, num_wanted, request_id in zip(token_ids, num_tokens, request_ids):
             k = min(num_wanted, self.num_speculative_tokens)

@@ -35,6 +35,7 @@ import numpy as np
 
 from specdec.spec_decode.ngram import (
     TokenArrayCache,
+    check_batch_lengths,
     common_suffix_lengths,
     earlier_match_ends,
     validate_num_speculative_tokens,
@@ -210,11 +211,7 @@ class SuffixProposer:
     def propose(
         self, token_ids: list[Sequence[int]], num_tokens: list[int], request_ids: list[str]
     ) -> list[list[int]]:
-        if not len(token_ids) == len(num_tokens) == len(request_ids):
-            raise ValueError(
-                f"token_ids, num_tokens and request_ids must have equal lengths, got "
-                f"{len(token_ids)}, {len(num_tokens)}, {len(request_ids)}"
-            )
+        check_batch_lengths(token_ids, num_tokens, request_ids)
         drafts = []
         for tokens, num_wanted, request_id in zip(token_ids, num_tokens, request_ids):
             if request_id not in self._num_prompt_tokens:
