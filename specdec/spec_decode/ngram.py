@@ -133,13 +133,13 @@ def validate_num_speculative_tokens(num_speculative_tokens: int) -> None:
         )
 
 
-
 def check_batch_lengths(token_ids, num_tokens, request_ids) -> None:
     if not len(token_ids) == len(num_tokens) == len(request_ids):
         raise ValueError(
             f"token_ids, num_tokens and request_ids must have equal lengths, got "
             f"{len(token_ids)}, {len(num_tokens)}, {len(request_ids)}"
         )
+
 
 class NgramProposer:
     """Prompt-lookup proposer; draft cost ~0 so it is always worth drafting the full K."""
