@@ -34,8 +34,8 @@ def expected_tokens(alpha: float, k: int) -> float:
     target's own token): (1 - alpha^(k+1)) / (1 - alpha), k + 1 at alpha = 1."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
-    if not isinstance(k, int) or k < 0:
-        raise ValueError(f"k must be an int >= 0, got {k!r}")
+    if isinstance(k, bool) or not isinstance(k, (int, float)) or not k >= 0:
+        raise ValueError(f"k must be a number >= 0 (a mean K is fine), got {k!r}")
     if 1.0 - alpha < 1e-9:  # the closed form cancels catastrophically here; first-order expansion
         return (k + 1) - (1.0 - alpha) * k * (k + 1) / 2
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)

@@ -40,6 +40,8 @@ def test_expected_tokens_closed_form_and_limits():
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     assert expected_tokens(1.0 - 1e-12, 7) == pytest.approx(8.0)
     assert expected_tokens(0.8, 4) == pytest.approx(sum(0.8**j for j in range(5)))
+    # "auto" reports a mean K: the closed form holds for any real K >= 0
+    assert expected_tokens(0.5, 1.5) == pytest.approx((1 - 0.5**2.5) / 0.5)
     with pytest.raises(ValueError, match="alpha"):
         expected_tokens(1.5, 3)
     with pytest.raises(ValueError, match="k"):
