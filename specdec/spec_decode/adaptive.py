@@ -22,6 +22,7 @@ position_acceptance``), for which the marginal value of token j is prod_{m<=j} a
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,7 +35,7 @@ def expected_tokens(alpha: float, k: int) -> float:
     target's own token): (1 - alpha^(k+1)) / (1 - alpha), k + 1 at alpha = 1."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
-    if isinstance(k, bool) or not isinstance(k, (int, float)) or not k >= 0:
+    if isinstance(k, bool) or not isinstance(k, numbers.Real) or not k >= 0:
         raise ValueError(f"k must be a number >= 0 (a mean K is fine), got {k!r}")
     if 1.0 - alpha < 1e-9:  # the closed form cancels catastrophically here; first-order expansion
         return (k + 1) - (1.0 - alpha) * k * (k + 1) / 2
