@@ -155,6 +155,8 @@ class Eagle3Head(nn.Module):
         weights = dict(weights)
         d2t = weights.pop("d2t", None)
         weights.pop("t2d", None)  # implied by d2t
+        for name in [n for n in weights if n.startswith("verifier_")]:  # speculators' training-only copies
+            weights.pop(name)
         if d2t is not None:
             self.draft_to_target = d2t.to(torch.long) + torch.arange(len(d2t))
         elif self.options.draft_vocab_size != self.config.vocab_size:

@@ -26,7 +26,13 @@ import torch
 from specdec.models.eagle3 import Eagle3Head, Eagle3Options
 from specdec.models.eagle3_dense import DenseSteps, dense_drafts, hf_aux_states
 from specdec.models.speculators import default_aux_layer_ids, save_eagle3
-from specdec.training.train_draft import FusedHeadTopKRestKL, _save_atomic, fingerprint, prepare_run, train
+from specdec.training.train_draft import (
+    FusedHeadTopKRestKL,
+    _save_atomic,
+    fingerprint,
+    prepare_run,
+    train,
+)
 from specdec.training.train_eagle import frequent_tokens
 
 ROWS_PER_SHARD = 64
@@ -164,7 +170,7 @@ def evaluate_eagle3(head, teacher, items: list[dict], k: int = 5) -> dict:
 def train_eagle3(cfg) -> dict:
     from specdec.models.loader import load_model
 
-    device, target_dir, work, out, tokenizer, teacher, data = prepare_run(cfg)
+    device, target_dir, work, out, _, teacher, data = prepare_run(cfg)
     stats, chunks = cfg.stats, data["chunks"]
     target = load_model(str(target_dir), torch.float32, device)     # the frozen embedding + LM head
     num_target = target.config.vocab_size

@@ -99,7 +99,8 @@ def test_paged_head_matches_dense_steps(target, tmp_path, num_layers):
             torch.testing.assert_close(last, out[0, -1], rtol=1e-4, atol=1e-4)
 
 
-def _recording(llm, seen: list, tree: bool):
+def _recording(llm, seen: list) -> None:
+    """Record (tokens, num_computed, K, drafts, parents) of every proposal the engine makes."""
     proposer = llm.engine.executor.driver_worker.proposer
     inner = proposer.propose
 
@@ -117,7 +118,7 @@ def test_engine_chain_drafts_equal_the_dense_heads(target_path, head_path, targe
     llm = LLM(model=target_path, **ENGINE, speculative_config={"method": "eagle3", "model": head_path,
                                                                "num_speculative_tokens": 3})
     seen = []
-    _recording(llm, seen, tree=False)
+    _recording(llm, seen)
     llm.generate(prompts[:3], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert len(seen) >= 6
     head = load_eagle3(head_path, target, torch.float32, CPU, TORCH_BACKEND)
@@ -137,7 +138,7 @@ def test_engine_tree_nodes_are_the_dense_heads_top_candidates(target_path, head_
     llm = LLM(model=target_path, **ENGINE, speculative_config={
         "method": "eagle3", "model": head_path, "num_speculative_tokens": 3, "tree_topk": topk, "tree_nodes": 8})
     seen = []
-    _recording(llm, seen, tree=True)
+    _recording(llm, seen)
     llm.generate(prompts[:3], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     assert len(seen) >= 4 and any(len(d) > 3 for _, _, _, d, _ in seen)
     head = load_eagle3(head_path, target, torch.float32, CPU, TORCH_BACKEND)
