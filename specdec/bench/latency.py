@@ -59,7 +59,7 @@ def speculation_figures(llm, base_runs, spec_runs, cost: dict | None) -> dict:
                   for b, s in zip(base_runs, spec_runs)]
         cost = {"cost_ratio": median(ratios), "source": "engine drafting time per step / K / plain step time"}
     c = cost["cost_ratio"]
-    bound = leviathan_bound(counts.alpha, round(k) if not spec_cfg.is_adaptive else k, c)
+    bound = leviathan_bound(counts.alpha, round(k), c)  # adaptive K: the bound at the mean K, rounded (an int)
     speedup = median(speedups)
     step_cost = median(s.decode_step_s / b.decode_step_s for b, s in zip(base_runs, spec_runs))
     return {
