@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, fields
 
-SPEC_METHODS = ("draft_model", "eagle", "ngram", "suffix", "replay")
+SPEC_METHODS = ("draft_model", "eagle", "eagle3", "ngram", "suffix", "replay")
+DRAFTING_METHODS = ("draft_model", "eagle", "eagle3")  # a model that scores its candidates
 MAX_SPEC_TOKENS = 16
 MAX_TREE_TOPK = 8
 MAX_TREE_NODES = 64
@@ -15,7 +17,9 @@ ATTENTION_BACKENDS = ("auto", "reference", "torch", "triton")
 @dataclass(slots=True)
 class SpeculativeConfig:
     method: str = "draft_model"
-    model: str | None = None  # draft model (method "draft_model") or EAGLE head folder (method "eagle")
+    # draft model (method "draft_model"), EAGLE head folder ("eagle") or speculators EAGLE-3 checkpoint
+    # ("eagle3"; given without a method, such a checkpoint sets the method and K from its config)
+    model: str | None = None
     num_speculative_tokens: int | str = 5  # an int in 1..16, or "auto" (adaptive, up to max_num_speculative_tokens)
     max_num_speculative_tokens: int = 8  # the ceiling for "auto"
     dtype: str = "auto"  # the draft's own dtype ("auto": the target's)
@@ -23,7 +27,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     acceptance: float = 0.8  # "replay" (benchmark only): probability a proposed token is kept correct
-    # token trees (methods "eagle" and "draft_model"): the draft keeps its top ``tree_topk``
+    # token trees (methods "eagle", "eagle3" and "draft_model"): the draft keeps its top ``tree_topk``
     # candidates per expanded node, expands the ``tree_topk`` likeliest nodes of each depth up to K,
     # and sends its ``tree_nodes`` likeliest nodes to verification (``specdec.spec_decode.tree``); 1 = a chain.
     # With K "auto" the depth is planned per request and ``tree_nodes`` is a ceiling: the nodes whose
@@ -36,7 +40,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}")
-        if self.method in ("draft_model", "eagle") and not self.model:
+        if self.method in DRAFTING_METHODS and not self.model:
             raise ValueError(f"speculative_config.model (the draft model or head) is required for method "
                              f"{self.method!r}")
         k = self.num_speculative_tokens
@@ -64,8 +68,8 @@ class SpeculativeConfig:
                                             or not 1 <= self.tree_nodes <= MAX_TREE_NODES):
             raise ValueError(f"speculative_config.tree_nodes must be in 1..{MAX_TREE_NODES}, got {self.tree_nodes!r}")
         if self.is_tree:
-            if self.method not in ("eagle", "draft_model"):
-                raise ValueError(f"speculative_config.tree_topk > 1 needs method 'eagle' or 'draft_model' (a draft "
+            if self.method not in DRAFTING_METHODS:
+                raise ValueError(f"speculative_config.tree_topk > 1 needs method 'eagle', 'eagle3' or 'draft_model' (a draft "
                                  f"that scores candidates), got {self.method!r}")
 
     @property
@@ -112,6 +116,10 @@ class SpeculativeConfig:
         unknown = set(value) - known
         if unknown:
             raise ValueError(f"speculative_config has unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+        if "method" not in value and value.get("model") and os.path.isdir(value["model"]):
+            from specdec.models.speculators import speculative_defaults
+
+            value = {**(speculative_defaults(value["model"]) or {}), **value}  # as vLLM: the checkpoint says
         return cls(**value)
 
 

@@ -1,6 +1,6 @@
 """The embedded default pair: SmolLM2-135M-Instruct (pulled from PyPI on first use) as the
 target and a draft made for it by ``specdec train-draft``, shipped inside the package: an EAGLE
-head (``--arch eagle``) or a small Llama draft, whichever the folder holds."""
+head (``--arch eagle`` or ``--arch eagle3``) or a small Llama draft, whichever the folder holds."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,11 +23,14 @@ def default_engine_kwargs() -> tuple[str, dict]:
 
 
 def draft_spec_config(path: str | Path, num_speculative_tokens: int | str = DEFAULT_NUM_SPEC_TOKENS) -> dict:
-    """speculative_config for a draft folder: method "eagle" for an EAGLE head, else "draft_model"."""
+    """speculative_config for a draft folder: method "eagle3" for a speculators EAGLE-3 head, "eagle"
+    for an EAGLE head, else "draft_model"."""
     from specdec.models.eagle import is_eagle_folder
+    from specdec.models.speculators import is_speculators_folder
 
-    eagle = is_eagle_folder(path)
-    spec = {"method": "eagle" if eagle else "draft_model", "model": str(path),
+    method = "eagle3" if is_speculators_folder(path) else "eagle" if is_eagle_folder(path) else "draft_model"
+    eagle = method != "draft_model"
+    spec = {"method": method, "model": str(path),
             "num_speculative_tokens": num_speculative_tokens}
     if num_speculative_tokens == "auto":
         spec["max_num_speculative_tokens"] = DEFAULT_MAX_SPEC_TOKENS

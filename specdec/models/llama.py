@@ -138,14 +138,22 @@ class LlamaForCausalLM(nn.Module):
     def head_dim(self) -> int:
         return self.layers[0].self_attn.head_dim
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata):
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                aux_layers: tuple[int, ...] = ()):
+        """-> final hidden [T, H]; with ``aux_layers`` (an EAGLE-3 head's layer ids) also the
+        residual stream entering each of those layers, concatenated in their order: [T, n * H]."""
         hidden = self.embed_tokens(input_ids)  # [T, H]
         residual = None
         rope = self.rotary.lookup(positions)  # once per step, not once per layer
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        collected: dict[int, torch.Tensor] = {}
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if i in aux_layers:  # vLLM's convention: layer L's input, i.e. Hugging Face hidden_states[L]
+                collected[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        if not aux_layers:
+            return hidden
+        return hidden, torch.cat([collected[i] for i in aux_layers], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, V] float32 logits, into ``out`` when given (``ModelRunner.reuse_logits``)."""

@@ -32,6 +32,7 @@ class EagleProposer(DraftModelProposer):
         """Store the kept rows' features per request; rows past what the target kept are dropped."""
         if hidden is None:
             raise RuntimeError("the EAGLE proposer needs the target's hidden states (run the target eagerly)")
+        hidden = self._target_features(hidden)
         for req, start, off, kept in zip(requests, starts, offsets, num_kept):
             if not req.sampling_params.use_speculation:
                 continue
@@ -46,6 +47,10 @@ class EagleProposer(DraftModelProposer):
                 first, chunks = start, [rows]
                 req.num_draft_computed_tokens = min(req.num_draft_computed_tokens, start)
             self.features[req.request_id] = (first, chunks)
+
+    def _target_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the head's rows read from the target's exported rows (EAGLE: the final hidden states as they are)."""
+        return hidden
 
     def on_request_finished(self, request: CachedRequestState) -> None:
         self.features.pop(request.request_id, None)

@@ -41,7 +41,7 @@ SOURCES = ("chat", "stdlib", "shakespeare")
 class TrainDraftConfig:
     target: str
     out: str
-    arch: str = "llama"               # "llama": a small standalone model; "eagle": a head on the target's features
+    arch: str = "llama"               # "llama": a small standalone model; "eagle" / "eagle3": a head on the target's features
     work_dir: str | None = None
     sources: tuple[str, ...] = SOURCES
     num_chat_prompts: int = 1024      # self-generated answers (half chat, half code requests)
@@ -73,18 +73,19 @@ class TrainDraftConfig:
     feature_loss: float = 0.5         # eagle: weight of the smooth-L1 feature regression next to the KL
     feature_noise: float = 0.1        # eagle: uniform noise on input features, as a fraction of their std
     unroll: int = 2                   # eagle: passes fed the head's own predicted features (drafting positions 2..unroll)
-    draft_vocab_size: int = 16384     # eagle: draft only the corpus's most frequent tokens (0: the whole vocab)
+    draft_vocab_size: int = 16384     # eagle, eagle3: draft only the corpus's most frequent tokens (0: the whole vocab)
+    ttt_steps: int = 3                # eagle3: training-time test steps (drafting positions trained; the K it ships)
     progress: bool = True
     stats: dict = field(default_factory=dict)  # filled by the run: phase times, final metrics
 
     def __post_init__(self):
         self.sources = tuple(self.sources)
-        if self.arch not in ("llama", "eagle"):
-            raise ValueError(f"arch must be 'llama' or 'eagle', got {self.arch!r}")
+        if self.arch not in ("llama", "eagle", "eagle3"):
+            raise ValueError(f"arch must be 'llama', 'eagle' or 'eagle3', got {self.arch!r}")
         if self.extra_chat_prompts < 0:
             raise ValueError(f"extra_chat_prompts must be >= 0, got {self.extra_chat_prompts}")
-        if not 1 <= self.unroll <= 8:
-            raise ValueError(f"unroll must be in 1..8, got {self.unroll}")
+        if not 1 <= self.unroll <= 8 or not 1 <= self.ttt_steps <= 8:
+            raise ValueError(f"unroll and ttt_steps must be in 1..8, got {self.unroll}, {self.ttt_steps}")
         unknown = set(self.sources) - set(SOURCES)
         if unknown or not self.sources:
             raise ValueError(f"sources must be a non-empty subset of {SOURCES}, got {self.sources}")
@@ -454,7 +455,8 @@ def train_draft(cfg: TrainDraftConfig) -> dict:
 
 
 _FLAG_HELP = {
-    "arch": "llama: a standalone small model; eagle: a one-layer head reading the target's hidden states",
+    "arch": "llama: a standalone small model; eagle: a one-layer head reading the target's hidden states; "
+            "eagle3: an EAGLE-3 head reading three of its layers, written in the speculators format (vLLM loads it)",
     "work_dir": "cache of corpus, teacher top-k and checkpoint (default: OUT/../.NAME-train)",
     "num_chat_prompts": "templated prompts the target answers (half chat, half code)",
     "extra_chat_prompts": "further prompts the target answers, from a larger pool (15,674; 3 chat : 1 code "
@@ -475,7 +477,8 @@ _FLAG_HELP = {
     "num_threads": "CPU threads (on a shared machine also export OMP_WAIT_POLICY=PASSIVE)",
     "feature_loss": "eagle: weight of the feature regression loss", "feature_noise": "eagle: input feature noise",
     "unroll": "eagle: N trains drafting positions 2..N on the head's own predictions too (pass j weighs 0.5^(j-1))",
-    "draft_vocab_size": "eagle: LM-head rows scored when drafting (the corpus's most frequent tokens; 0: all)",
+    "draft_vocab_size": "eagle, eagle3: LM-head rows scored when drafting (the corpus's most frequent tokens; 0: all)",
+    "ttt_steps": "eagle3: training-time test steps (the head fed its own outputs); the K its config proposes",
 }
 
 
@@ -508,6 +511,10 @@ def _cmd_train_draft(args) -> int:
         from specdec.training.train_eagle import train_eagle
 
         report = train_eagle(cfg)
+    elif cfg.arch == "eagle3":
+        from specdec.training.train_eagle3 import train_eagle3
+
+        report = train_eagle3(cfg)
     else:
         report = train_draft(cfg)
     print(json.dumps(report, indent=1))

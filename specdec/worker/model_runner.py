@@ -31,8 +31,10 @@ class ForwardBatch:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 reuse_logits: bool = False):
+                 reuse_logits: bool = False, aux_layers: tuple[int, ...] = ()):
         self.model = model
+        # the target layers whose input an EAGLE-3 head reads; () costs nothing (the model collects none)
+        self.aux_layers = tuple(aux_layers)
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -100,8 +102,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits [N, V] float32 as ``forward``, final hidden states [T, H] of every fed row);
-        a replayed graph returns logits only (hidden None: EAGLE runs its target eagerly)."""
+        """(logits [N, V] float32 as ``forward``, the states a proposer reads of every fed row: the
+        final hidden states [T, H], or with ``aux_layers`` those layers' inputs [T, n * H]); a
+        replayed graph returns logits only (None: EAGLE runs its target eagerly)."""
         graph = self._graph_for(batch)
         if graph is not None and graph is self.tree_graph:
             return graph.run(batch.input_ids, batch.positions, batch.attn, batch.logits_indices), None
@@ -111,14 +114,19 @@ class ModelRunner:
                                positions=batch.positions, slot_mapping=meta.slot_mapping, seq_lens=meta.seq_lens,
                                block_tables=meta.block_tables)
             return logits[batch.logits_indices], None  # a copy: the graph's buffer is reused by the next replay
-        if batch.features is None:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
-        else:
+        exported = None
+        if batch.features is not None:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, features=batch.features)
+        elif self.aux_layers:
+            hidden, exported = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn,
+                                          aux_layers=self.aux_layers)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         rows = hidden[batch.logits_indices]
+        exported = hidden if exported is None else exported
         if not self.reuse_logits:
-            return self.model.compute_logits(rows), hidden
-        return self.model.compute_logits(rows, out=self._logits_out(rows.shape[0])), hidden
+            return self.model.compute_logits(rows), exported
+        return self.model.compute_logits(rows, out=self._logits_out(rows.shape[0])), exported
 
     @torch.inference_mode()
     def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:

@@ -70,33 +70,50 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
         draft_model = prepare_for_inference(
             load_model(draft_path, draft_dtype, device, attn_backend, draft_cfg, tp=draft_tp), spec.quantization, device)
         bytes_per_block += ModelRunner.kv_bytes_per_block(draft_cfg, cfg.block_size, draft_dtype)
-    eagle = spec is not None and spec.method == "eagle"
+    eagle = spec is not None and spec.method in ("eagle", "eagle3")
+    aux_layers: tuple[int, ...] = ()
     if eagle:
-        from specdec.models.eagle import is_eagle_folder, load_head
-
-        head_path = resolve_model_path(spec.model)
-        if not is_eagle_folder(head_path):
-            raise ValueError(f"speculative_config.model {spec.model!r} is not an EAGLE head (its config.json has no "
-                             f"'specdec_eagle' entry); make one with `specdec train-draft --arch eagle`")
         draft_dtype = dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, device)
-        # attached before the target's linears are packed: the head copies rows of its LM head
-        draft_model = prepare_for_inference(load_head(head_path, model, draft_dtype, device, attn_backend),
+        # attached before the target's linears are packed: an EAGLE head copies rows of its LM head
+        draft_model = prepare_for_inference(_load_head(spec, model, draft_dtype, device, attn_backend),
                                             spec.quantization, device)
         bytes_per_block += ModelRunner.kv_bytes_per_block(draft_model.config, cfg.block_size, draft_dtype)
+        if spec.method == "eagle3":  # the target exports these layers' inputs for the head
+            aux_layers = draft_model.options.aux_layer_ids
     if shared_model is None:
         model = prepare_for_inference(model, cfg.quantization, device)
     num_blocks = num_kv_blocks(cfg, device, bytes_per_block, max_model_len, max_k)
     if tp is not None:  # one block pool serves every rank: the smallest cache decides
         num_blocks = tp.min_int(num_blocks)
-    runner = ModelRunner(model, num_blocks, cfg.block_size, device, dtype, reuse_logits=True)
+    runner = ModelRunner(model, num_blocks, cfg.block_size, device, dtype, reuse_logits=True, aux_layers=aux_layers)
     draft_runner = ModelRunner(draft_model, num_blocks, cfg.block_size, device, draft_dtype) if draft_model else None
-    # EAGLE reads the target's hidden states, which captured graphs do not return: eager there
+    # EAGLE heads read the target's hidden states, which captured graphs do not return: eager there
     # collectives are not captured in graphs yet: tensor-parallel ranks run eagerly
     if device.type == "cuda" and attn_backend.name == "triton" and not cfg.enforce_eager and not eagle and tp is None:
         _enable_graphs(cfg, runner, draft_runner, max_model_len, spec)
     proposer = build_proposer(spec, draft_runner, vocab_size) if spec else None
     return WorkerParts(device, dtype, runner, draft_runner, proposer, ChainVerifier(_rejection_sampler(device)),
                        TreeVerifier())
+
+
+def _load_head(spec, target, dtype: torch.dtype, device, attn_backend):
+    """The EAGLE head (``models/eagle.py``) or speculators EAGLE-3 head (``models/speculators.py``) of
+    ``spec.model``, attached to ``target``."""
+    from specdec.models.eagle import is_eagle_folder, load_head
+    from specdec.models.speculators import is_speculators_folder, load_eagle3
+
+    head_path = resolve_model_path(spec.model)
+    if spec.method == "eagle3":
+        if not is_speculators_folder(head_path):
+            raise ValueError(f"speculative_config.model {spec.model!r} is not a speculators EAGLE-3 checkpoint (its "
+                             f"config.json has no 'speculators_model_type'); make one with `specdec train-draft "
+                             f"--arch eagle3`")
+        return load_eagle3(head_path, target, dtype, device, attn_backend)
+    if not is_eagle_folder(head_path):
+        hint = " (it is a speculators checkpoint: use method 'eagle3')" if is_speculators_folder(head_path) else ""
+        raise ValueError(f"speculative_config.model {spec.model!r} is not an EAGLE head (its config.json has no "
+                         f"'specdec_eagle' entry){hint}; make one with `specdec train-draft --arch eagle`")
+    return load_head(head_path, target, dtype, device, attn_backend)
 
 
 def _enable_graphs(cfg: EngineConfig, runner, draft_runner, max_model_len: int, spec) -> None:
@@ -168,6 +185,10 @@ def build_proposer(spec, draft_runner, vocab_size):
         from specdec.spec_decode.eagle import EagleProposer
 
         return EagleProposer(draft_runner, vocab_size, **_tree_args(spec))
+    if spec.method == "eagle3":
+        from specdec.spec_decode.eagle3 import Eagle3Proposer
+
+        return Eagle3Proposer(draft_runner, vocab_size, **_tree_args(spec))
     if spec.method == "ngram":
         from specdec.spec_decode.ngram import NgramProposer
 

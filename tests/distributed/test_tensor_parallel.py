@@ -111,6 +111,25 @@ def test_eagle_under_tp_is_greedy_identical(tree, llama_path, prompts, reference
     stop(llm)
 
 
+@pytest.mark.parametrize("tree", [None, {"tree_topk": 2, "tree_nodes": 6}], ids=["chain", "tree"])
+def test_eagle3_under_tp_is_greedy_identical(tree, llama_path, prompts, reference, tmp_path_factory):
+    """Every rank's target exports the auxiliary layers' inputs (the full residual stream after the
+    row-parallel all-reduces) to its own replicated EAGLE-3 head."""
+    from specdec.models.loader import load_model
+    from specdec.models.speculators import save_eagle3
+    from specdec.training.train_eagle3 import init_eagle3
+
+    head = init_eagle3(load_model(llama_path, torch.float32, torch.device("cpu")), (0, 1, 1), torch.arange(200), seed=1)
+    folder = tmp_path_factory.mktemp("tp_eagle3") / "head"
+    save_eagle3(head, folder, llama_path, ["LlamaForCausalLM"], 3, dtype=torch.float32)
+    llm = tp_llm(llama_path, {"model": str(folder), **(tree or {})})
+    outs = llm.generate(prompts[:8], greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in prompts[:8]]
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+    assert_clean(llm)
+    stop(llm)
+
+
 def test_a_killed_rank_makes_the_engine_raise_and_leaves_no_process(llama_path, prompts):
     llm = tp_llm(llama_path)
     proc = llm.engine.executor._procs[0]

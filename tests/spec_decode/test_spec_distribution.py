@@ -14,7 +14,8 @@ Sample sizes: 6000 continuations at temperature 1 with an unrelated draft (mostl
 rejected: the residual distribution max(0, p - q) does the work), 6000 with a noisy copy of
 the target as draft (about 40% accepted), and 5000 at temperature 0.9 with top_k=6 /
 top_p=0.8; then token trees (top-3 children, 7 nodes): 6000 with the noisy draft at
-temperature 1 and 5000 with the unrelated draft under top_k / top_p. Each case has a negative control: the same counts tested against the target at a
+temperature 1 and 5000 with the unrelated draft under top_k / top_p; and a random EAGLE-3 head
+(20-token draft vocabulary): 5000 as a chain at temperature 1, 5000 as a tree under top_k / top_p. Each case has a negative control: the same counts tested against the target at a
 15% higher temperature must be rejected at the same level, which shows the test has the
 power to see a subtly wrong distribution. Deterministic: fixed per-request seeds.
 """
@@ -43,7 +44,22 @@ def char_models(make_model, make_char_tokenizer, make_perturbed_copy, tmp_path_f
     target = make_model("dist_target", num_layers=2, seed=21, **shape)
     unrelated = make_model("dist_draft", num_layers=1, seed=22, **shape)
     noisy = make_perturbed_copy(target, tmp_path_factory.mktemp("dist_noisy_draft"), scale=0.3, seed=5)
-    return target, {"unrelated": unrelated, "noisy": noisy}
+    return target, {"unrelated": unrelated, "noisy": noisy, "eagle3": _eagle3_head(target, tmp_path_factory)}
+
+
+def _eagle3_head(target: str, tmp_path_factory) -> str:
+    """A random EAGLE-3 head over 20 of the 30 tokens (drafts never propose the other 10)."""
+    from specdec.models.loader import load_model
+    from specdec.models.speculators import save_eagle3
+    from specdec.training.train_eagle3 import init_eagle3
+
+    model = load_model(target, torch.float32, torch.device("cpu"))
+    head = init_eagle3(model, (0, 1, 1), torch.arange(20), seed=23)
+    with torch.no_grad():  # sharper than a fresh head's near-uniform guesses
+        head.fc.weight.mul_(20.0)
+    out = tmp_path_factory.mktemp("dist_eagle3") / "head"
+    save_eagle3(head, out, target, ["LlamaForCausalLM"], K, dtype=torch.float32)
+    return str(out)
 
 
 def processed(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -126,13 +142,17 @@ TREE = dict(tree_topk=3, tree_nodes=7)  # token trees: children tried in turn ag
     ("noisy", 5000, dict(temperature=0.9, top_k=6, top_p=0.8), 20_000, {}),
     ("noisy", 6000, dict(temperature=1.0), 30_000, TREE),
     ("unrelated", 5000, dict(temperature=0.9, top_k=6, top_p=0.8), 40_000, TREE),
-], ids=["unrelated-draft", "noisy-draft", "noisy-draft-topk-topp", "noisy-tree", "unrelated-tree-topk-topp"])
+    ("eagle3", 5000, dict(temperature=1.0), 50_000, {}),
+    ("eagle3", 5000, dict(temperature=0.9, top_k=6, top_p=0.8), 60_000, TREE),
+], ids=["unrelated-draft", "noisy-draft", "noisy-draft-topk-topp", "noisy-tree", "unrelated-tree-topk-topp",
+        "eagle3-head", "eagle3-tree-topk-topp"])
 def test_speculative_sampling_matches_the_exact_target_distribution(char_models, draft, num_samples, sampling,
                                                                     seed_base, tree):
     target, drafts = char_models
     llm = LLM(model=target, dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1000,
               max_num_batched_tokens=8192,
-              speculative_config={"method": "draft_model", "model": drafts[draft], "num_speculative_tokens": K,
+              speculative_config={"method": "eagle3" if draft == "eagle3" else "draft_model", "model": drafts[draft],
+                                  "num_speculative_tokens": K,
                                   **tree})
     vocab = llm.engine.vocab_size
     prompt_ids = llm.tokenizer.encode(PROMPT)
