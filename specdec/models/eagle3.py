@@ -21,6 +21,7 @@ from torch import nn
 from specdec.layers.attention import AttentionMetadata
 from specdec.layers.norm import RMSNorm
 from specdec.layers.rotary import RotaryEmbedding
+from specdec.models.eagle import _LayerShim
 from specdec.models.llama import DecoderLayer, LlamaForCausalLM, _cfg, _rope_params
 
 
@@ -200,15 +201,3 @@ class Eagle3Head(nn.Module):
             t2d[self.draft_to_target.cpu()] = True
             out["t2d"] = t2d
         return out
-
-
-class _LayerShim(nn.Module):
-    """Just ``layers`` with the attributes LlamaForCausalLM.load_weights reads."""
-    tie_word_embeddings = False
-    _stacked = LlamaForCausalLM._stacked
-    _load_shard = LlamaForCausalLM._load_shard
-
-    def __init__(self, layers, config):
-        super().__init__()
-        self.layers = layers
-        self.config = config

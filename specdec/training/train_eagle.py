@@ -37,8 +37,10 @@ ROWS_PER_SHARD = 64
 
 
 @torch.inference_mode()
-def cache_features(teacher, chunks: torch.Tensor, cfg, shard_dir: Path):
-    """-> features [N, S, H] bf16, top-k ids [N, S, k] int32, log-probs [N, S, k] fp32, in shards."""
+def cache_sharded(chunks: torch.Tensor, cfg, shard_dir: Path, key_parts: tuple, teacher_batch):
+    """Run ``teacher_batch(rows) -> (features, logits over the kept vocabulary)`` over ``chunks``
+    and keep (features bf16, top-k ids int32, top-k log-probs fp32) in shards a killed run keeps;
+    a shard is reused only when its rows and ``key_parts`` are unchanged."""
     from tqdm.auto import tqdm
 
     shard_dir.mkdir(parents=True, exist_ok=True)
@@ -47,15 +49,14 @@ def cache_features(teacher, chunks: torch.Tensor, cfg, shard_dir: Path):
     for shard, start in enumerate(range(0, len(chunks), ROWS_PER_SHARD)):
         path = shard_dir / f"{shard:05d}.pt"
         rows = chunks[start:start + ROWS_PER_SHARD]
-        key = (fingerprint(rows), cfg.top_k)
+        key = (fingerprint(rows), *key_parts, cfg.top_k)
         part = torch.load(path) if path.exists() else None
         if part is None or part.get("key") != key:
             f_parts, i_parts, l_parts = [], [], []
             for s in range(0, len(rows), cfg.teacher_batch_size):
-                hidden = teacher.model(rows[s:s + cfg.teacher_batch_size].to(teacher.device)).last_hidden_state
-                logp = teacher.lm_head(hidden).float().log_softmax(-1)
-                values, top = logp.topk(cfg.top_k, dim=-1)
-                f_parts.append(hidden.to(torch.bfloat16).cpu())
+                features, logits = teacher_batch(rows[s:s + cfg.teacher_batch_size])
+                values, top = logits.float().log_softmax(-1).topk(cfg.top_k, dim=-1)
+                f_parts.append(features.to(torch.bfloat16).cpu())
                 i_parts.append(top.int().cpu())
                 l_parts.append(values.cpu())
             part = {"features": torch.cat(f_parts), "ids": torch.cat(i_parts), "logp": torch.cat(l_parts), "key": key}
@@ -66,6 +67,15 @@ def cache_features(teacher, chunks: torch.Tensor, cfg, shard_dir: Path):
         bar.update(len(rows))
     bar.close()
     return torch.cat(feats), torch.cat(ids), torch.cat(logps)
+
+
+def cache_features(teacher, chunks: torch.Tensor, cfg, shard_dir: Path):
+    """-> features [N, S, H] bf16, top-k ids [N, S, k] int32, log-probs [N, S, k] fp32, in shards."""
+    def batch(rows):
+        hidden = teacher.model(rows.to(teacher.device)).last_hidden_state
+        return hidden, teacher.lm_head(hidden)
+
+    return cache_sharded(chunks, cfg, shard_dir, (), batch)
 
 
 def _topk_kl(head, pred: torch.Tensor, topk_ids, topk_logp, num_negatives: int, generator) -> torch.Tensor:

@@ -28,14 +28,12 @@ from specdec.models.eagle3_dense import DenseSteps, dense_drafts, hf_aux_states
 from specdec.models.speculators import default_aux_layer_ids, save_eagle3
 from specdec.training.train_draft import (
     FusedHeadTopKRestKL,
-    _save_atomic,
     fingerprint,
     prepare_run,
     train,
 )
-from specdec.training.train_eagle import frequent_tokens
+from specdec.training.train_eagle import cache_sharded, frequent_tokens
 
-ROWS_PER_SHARD = 64
 STEP_DECAY = 0.8
 
 
@@ -63,37 +61,16 @@ def init_eagle3(target, aux_layer_ids=None, draft_vocab: torch.Tensor | None = N
     return head.to(next(target.parameters()).device)
 
 
-@torch.inference_mode()
 def cache_features(teacher, chunks: torch.Tensor, vocab: torch.Tensor, layer_ids, cfg, shard_dir: Path):
     """-> aux features [N, S, n * H] bf16, draft-vocab top-k ids [N, S, k] int32 and log-probs
     [N, S, k] fp32 (over the draft vocabulary), in shards a killed run keeps."""
-    from tqdm.auto import tqdm
-
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    feats, ids, logps = [], [], []
     cols = vocab.to(teacher.device)
-    bar = tqdm(total=len(chunks), desc="target features", unit="chunk", disable=not cfg.progress, mininterval=5)
-    for shard, start in enumerate(range(0, len(chunks), ROWS_PER_SHARD)):
-        path = shard_dir / f"{shard:05d}.pt"
-        rows = chunks[start:start + ROWS_PER_SHARD]
-        key = (fingerprint(rows), fingerprint(vocab), tuple(layer_ids), cfg.top_k)
-        part = torch.load(path) if path.exists() else None
-        if part is None or part.get("key") != key:
-            f_parts, i_parts, l_parts = [], [], []
-            for s in range(0, len(rows), cfg.teacher_batch_size):
-                logits, aux = hf_aux_states(teacher, rows[s:s + cfg.teacher_batch_size].to(teacher.device), layer_ids)
-                values, top = logits.float()[..., cols].log_softmax(-1).topk(cfg.top_k, dim=-1)
-                f_parts.append(aux.to(torch.bfloat16).cpu())
-                i_parts.append(top.int().cpu())
-                l_parts.append(values.cpu())
-            part = {"features": torch.cat(f_parts), "ids": torch.cat(i_parts), "logp": torch.cat(l_parts), "key": key}
-            _save_atomic(part, path)
-        feats.append(part["features"])
-        ids.append(part["ids"])
-        logps.append(part["logp"])
-        bar.update(len(rows))
-    bar.close()
-    return torch.cat(feats), torch.cat(ids), torch.cat(logps)
+
+    def batch(rows):
+        logits, aux = hf_aux_states(teacher, rows.to(teacher.device), layer_ids)
+        return aux, logits[..., cols]
+
+    return cache_sharded(chunks, cfg, shard_dir, (fingerprint(vocab), tuple(layer_ids)), batch)
 
 
 def _step_kl(head, out, topk_ids, topk_logp, num_negatives: int, generator) -> torch.Tensor:
