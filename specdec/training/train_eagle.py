@@ -80,14 +80,21 @@ def cache_features(teacher, chunks: torch.Tensor, cfg, shard_dir: Path):
 
 def _topk_kl(head, pred: torch.Tensor, topk_ids, topk_logp, num_negatives: int, generator) -> torch.Tensor:
     """KL(target top-k + rest || softmax(lm_head(pred))) with the target's LM head frozen."""
-    weight = head.target[0].lm_head.weight.detach()
-    hidden = pred.float().flatten(0, 1)
+    return frozen_head_kl(head.target[0].lm_head.weight.detach(), pred.float().flatten(0, 1), topk_ids, topk_logp,
+                          num_negatives, generator)
+
+
+def frozen_head_kl(weight: torch.Tensor, hidden: torch.Tensor, topk_ids, topk_logp, num_negatives: int,
+                   generator) -> torch.Tensor:
+    """KL(target top-k + rest || softmax(hidden @ weight^T)); hidden [N, H] float32, topk_* [..., k].
+    With ``num_negatives`` the softmax runs over the batch's top-k tokens plus that many random
+    negatives (see ``distill_loss``) instead of the whole vocabulary."""
     ids, logp = topk_ids.flatten(0, 1).long(), topk_logp.flatten(0, 1)
-    if num_negatives > 0:  # softmax over the batch's top-k tokens plus random negatives (see distill_loss)
-        negatives = torch.randint(weight.shape[0], (num_negatives,), generator=generator).to(pred.device)
+    if 0 < num_negatives < weight.shape[0]:
+        negatives = torch.randint(weight.shape[0], (num_negatives,), generator=generator).to(hidden.device)
         vocab = torch.cat([ids.flatten(), negatives]).unique()
-        position = torch.full((weight.shape[0],), -1, dtype=torch.long, device=pred.device)
-        position[vocab] = torch.arange(len(vocab), device=pred.device)
+        position = torch.full((weight.shape[0],), -1, dtype=torch.long, device=hidden.device)
+        position[vocab] = torch.arange(len(vocab), device=hidden.device)
         weight, ids = weight[vocab], position[ids]
     return FusedHeadTopKRestKL.apply(hidden, weight.float(), ids, logp)
 

@@ -27,12 +27,11 @@ from specdec.models.eagle3 import Eagle3Head, Eagle3Options
 from specdec.models.eagle3_dense import DenseSteps, dense_drafts, hf_aux_states
 from specdec.models.speculators import default_aux_layer_ids, save_eagle3
 from specdec.training.train_draft import (
-    FusedHeadTopKRestKL,
     fingerprint,
     prepare_run,
     train,
 )
-from specdec.training.train_eagle import cache_sharded, frequent_tokens
+from specdec.training.train_eagle import cache_sharded, frequent_tokens, frozen_head_kl
 
 STEP_DECAY = 0.8
 
@@ -75,16 +74,8 @@ def cache_features(teacher, chunks: torch.Tensor, vocab: torch.Tensor, layer_ids
 
 def _step_kl(head, out, topk_ids, topk_logp, num_negatives: int, generator) -> torch.Tensor:
     """KL(target top-k + rest || head) over the draft vocabulary; out [B, R, H], topk_* [B, R, k]."""
-    weight = head.lm_head.weight.detach()
     hidden = (out if head.options.norm_output else head.norm(out)).float().flatten(0, 1)
-    ids, logp = topk_ids.flatten(0, 1).long(), topk_logp.flatten(0, 1)
-    if 0 < num_negatives < weight.shape[0]:  # softmax over the batch's top-k plus random negatives
-        negatives = torch.randint(weight.shape[0], (num_negatives,), generator=generator).to(out.device)
-        vocab = torch.cat([ids.flatten(), negatives]).unique()
-        position = torch.full((weight.shape[0],), -1, dtype=torch.long, device=out.device)
-        position[vocab] = torch.arange(len(vocab), device=out.device)
-        weight, ids = weight[vocab], position[ids]
-    return FusedHeadTopKRestKL.apply(hidden, weight.float(), ids, logp)
+    return frozen_head_kl(head.lm_head.weight.detach(), hidden, topk_ids, topk_logp, num_negatives, generator)
 
 
 def eagle3_loss(head, ids, aux, topk_ids, topk_logp, cfg, generator):
