@@ -1,7 +1,7 @@
 """Tensor parallelism: one worker process per rank, rank 0 (the driver) in the engine's process.
 
 Each step the driver sends the ``SchedulerOutput`` to every rank (pickled, through a
-shared-memory queue per spawned rank: ~5x faster per step than two broadcasts over gloo here;
+shared-memory queue per spawned rank, cheaper per step than broadcasts over gloo;
 over the process group for torchrun's ranks, which may sit on other nodes); every rank runs
 the same step on its shard. Row-parallel layers all-reduce and the LM head gathers the
 whole vocabulary, so every rank holds identical logits and draws identical random numbers (the
