@@ -166,11 +166,19 @@ def evaluate_head(head, teacher, items: list[dict], k: int = 5) -> dict:
                 r["steps"] += 1
                 r["emitted"] += run + 1
                 c += run + 1
+    return replay_report(report, k)
+
+
+def replay_report(report: dict, k: int) -> dict:
+    """Per domain: tokens, top-1 agreement and, from replayed greedy chains, the mean acceptance
+    length at K = k (and the share of steps accepting each position, where counted)."""
     out = {}
     for domain, r in report.items():
         out[domain] = {"tokens": r["tokens"], "top1_agreement": round(r["agree"] / max(r["tokens"], 1), 4)}
         if r["steps"]:
             out[domain][f"replayed_accept_len_k{k}"] = round(r["emitted"] / r["steps"], 3)
+            if "pos" in r:
+                out[domain]["accepted_per_position"] = [round(n / r["steps"], 3) for n in r["pos"]]
     return out
 
 

@@ -31,7 +31,12 @@ from specdec.training.train_draft import (
     prepare_run,
     train,
 )
-from specdec.training.train_eagle import cache_sharded, frequent_tokens, frozen_head_kl
+from specdec.training.train_eagle import (
+    cache_sharded,
+    frequent_tokens,
+    frozen_head_kl,
+    replay_report,
+)
 
 STEP_DECAY = 0.8
 
@@ -126,13 +131,7 @@ def evaluate_eagle3(head, teacher, items: list[dict], k: int = 5) -> dict:
                 r["steps"] += 1
                 r["emitted"] += run + 1
                 c += run + 1
-    out = {}
-    for domain, r in report.items():
-        out[domain] = {"tokens": r["tokens"], "top1_agreement": round(r["agree"] / max(r["tokens"], 1), 4)}
-        if r["steps"]:
-            out[domain][f"replayed_accept_len_k{k}"] = round(r["emitted"] / r["steps"], 3)
-            out[domain]["accepted_per_position"] = [round(n / r["steps"], 3) for n in r["pos"]]
-    return out
+    return replay_report(report, k)
 
 
 def train_eagle3(cfg) -> dict:
