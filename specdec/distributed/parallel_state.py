@@ -50,6 +50,7 @@ class TensorParallelGroup:
     device: torch.device
     pg: object = field(repr=False)  # the process group of the model's tensors
     cpu_pg: object = field(repr=False)  # a gloo group for host-side control (NCCL cannot send host objects)
+    store: object = field(default=None, repr=False)  # the TCPStore the groups were built on: must outlive them
     comm_seconds: float = 0.0  # inside the model's collectives since the last ``take_comm_seconds``
 
     @property
@@ -145,6 +146,4 @@ def init_tensor_parallel(rank: int, world_size: int, device_type: str, address: 
         pg = dist.ProcessGroupNCCL(dist.PrefixStore("dev/", store), rank, world_size, opts)
     else:
         pg = cpu_pg
-    group = TensorParallelGroup(rank, world_size, device, pg, cpu_pg)
-    group._store = store  # the store must outlive the groups built on it
-    return group
+    return TensorParallelGroup(rank, world_size, device, pg, cpu_pg, store)
