@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from specdec.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 MAX_TEMPERATURE = 2.0  # OpenAI's range
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.1, 10.0
@@ -36,12 +38,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # specdec extension: opt this request out of speculation (decodes normally in the same batch).
     use_speculation: bool = True
+    # constrain the output to a grammar (JSON schema, regex, choice, EBNF); vLLM's name
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
