@@ -51,7 +51,7 @@ def has_speculation(args) -> bool:
 def register_cli(subparsers) -> None:
     from specdec.bench import compare, latency, profile, sweep, throughput
 
-    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, sweep, compare, profile, workloads, structured, serve")
+    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, sweep, compare, profile, workloads, structured, peers, serve")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     for module in (latency, throughput, sweep, compare, profile):
         p = module.add_parser(sub)
@@ -63,6 +63,9 @@ def register_cli(subparsers) -> None:
     from specdec.bench.structured import add_structured_parser
 
     add_structured_parser(sub).set_defaults(bench_parser=sub.choices["structured"])
+    from specdec.bench.peers.command import add_peers_parser
+
+    add_peers_parser(sub).set_defaults(bench_parser=sub.choices["peers"])
     if "serve" in sub.choices:
         sub.choices["serve"].set_defaults(bench_parser=sub.choices["serve"])
     m = sub.add_parser("make-model", help="write a random checkpoint for benchmarks (speed ignores weights)")
