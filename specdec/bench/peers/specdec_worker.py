@@ -32,7 +32,6 @@ def run_job(job: dict) -> dict:
                        "prefill_s": r.prefill_s, "decode_s": r.decode_s} for r in runs]
         acceptance = _merge_acceptance(r.acceptance for r in runs)
         return {"per_prompt": per_prompt, "acceptance": acceptance, "load_s": load_s}
-    llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # the batch shapes, untimed
     before = dict(llm.get_metrics())
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
