@@ -180,5 +180,5 @@ def measure(args) -> dict:
                 "ggufs": {k: str(v) for k, v in ggufs.items() if v and not k.endswith("_why")}},
         peers={k: v or f"not found: {why_not.get(k)}" for k, v in found.items() if k in args.engines},
         notes=notes, skipped=skipped, runs=runs, rows=rows, batch_rows=batch_rows,
-        goals=goal_checks(rows, batch_rows), log_dir=str(log_dir))
+        goals=goal_checks(rows, batch_rows, args.batch_size), log_dir=str(log_dir))
     return result

@@ -44,7 +44,7 @@ def _goal(goal: str, value: float | None, target: float, why_missing: str = "", 
             "note": why_missing if value is None else ""}
 
 
-def goal_checks(rows: list[dict], batch_rows: list[dict]) -> list[dict]:
+def goal_checks(rows: list[dict], batch_rows: list[dict], batch_size: int = 32) -> list[dict]:
     goals = []
     plain = find(rows, SPECDEC, "bf16 plain")
     for engine, name in ((VLLM, "bf16 plain"), (LLAMA_CPP, "bf16 plain")):
@@ -69,6 +69,6 @@ def goal_checks(rows: list[dict], batch_rows: list[dict]) -> list[dict]:
                            "", strict=True))
     for name in ("bf16 plain", "n-gram K=5"):
         ours, theirs = find(batch_rows, SPECDEC, name), find(batch_rows, VLLM, name)
-        goals.append(_goal(f"batch 32 specdec {name} >= vLLM {name}", paired_ratio(ours, theirs), 1.0,
+        goals.append(_goal(f"batch {batch_size} specdec {name} >= vLLM {name}", paired_ratio(ours, theirs), 1.0,
                            "one of the two did not run"))
     return goals

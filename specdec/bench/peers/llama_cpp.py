@@ -149,7 +149,11 @@ def draft_acceptance(per_prompt: list[dict]) -> dict | None:
 
 def parse_bench(stdout: str) -> dict:
     """``llama-bench -o json`` -> tokens/s of the generation test (avg over its repetitions)."""
-    records = json.loads(stdout[stdout.index("["):])
+    lines = stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("[")), None)
+    if start is None:
+        raise ValueError("llama-bench printed no JSON array")
+    records = json.loads("\n".join(lines[start:]))
     gen = [r for r in records if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0]
     if not gen:
         raise ValueError("llama-bench printed no generation-only record")
