@@ -99,6 +99,8 @@ def converted_gguf(model_dir: str, kind: str, bin_dir: Path | None, log) -> tupl
             return None, f"convert_hf_to_gguf.py failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}"
         os.replace(str(bf16) + ".tmp", bf16)
     if kind == "q8_0" and not q8.is_file():
+        if not (bin_dir / QUANTIZE).is_file():
+            return None, f"no {QUANTIZE} in {bin_dir} to make the Q8_0 GGUF"
         log(f"quantizing {bf16} to {q8} (once)")
         r = subprocess.run([str(bin_dir / QUANTIZE), str(bf16), str(q8) + ".tmp", "Q8_0"], capture_output=True,
                            text=True)
