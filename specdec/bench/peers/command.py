@@ -46,6 +46,7 @@ def add_peers_parser(sub):
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     p.add_argument("--bandwidth-mib", type=int, default=512)
     p.add_argument("--log-dir", default=None, help="each run's log (default: the peers cache, by date)")
+    p.add_argument("--dry-run", action="store_true", help="find the peers, list what would run or be skipped, run nothing")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=cmd_peers)
     return p
@@ -144,6 +145,10 @@ def measure(args) -> dict:
             else:
                 runnable.append(c)
         plans.append((batch, runnable, n_rounds))
+    for batch, configs, n_rounds in plans:
+        _log(f"batch {batch}, {n_rounds} round(s): " + "; ".join(c.label for c in configs))
+    if args.dry_run:
+        plans = []
     runs = []
     for batch, configs, n_rounds in plans:
         prompts = code_prompt_ids(target, args.num_prompts if batch == 1 else batch)
