@@ -76,6 +76,7 @@ def test_llama_cpp_commands(tmp_path):
     cmd = llama_cpp.server_command(Path("/bin"), spec, ggufs, 8081, 2, 384)
     assert cmd[0] == "/bin/llama-server" and cmd[cmd.index("-m") + 1] == "/g/t.gguf"
     assert cmd[cmd.index("-md") + 1] == "/g/d.gguf" and cmd[cmd.index("--spec-draft-n-max") + 1] == "5"
+    assert cmd[cmd.index("--spec-type") + 1] == "draft-simple"  # the default is none: -md alone drafts nothing
     assert cmd[cmd.index("-t") + 1] == "2" and cmd[cmd.index("-np") + 1] == "1"
     bench = next(c for c in configs.BATCH1_CONFIGS if c.options.get("tool") == "llama-bench")
     cmd = llama_cpp.bench_command(Path("/bin"), bench, ggufs, 2, 128, 3)

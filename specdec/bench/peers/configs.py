@@ -59,7 +59,8 @@ BATCH1_CONFIGS = (
     PeerConfig(LLAMA_CPP, "bf16 plain", "bf16 plain", {"gguf": "bf16"}, "gguf:bf16"),
     PeerConfig(LLAMA_CPP, "Q4_K_M + Q4_K_M draft, draft-max 5", "Q4_K_M draft K=5",
                {"gguf": "q4_k_m", "draft_gguf": "q4_k_m",
-                "server_args": ["--spec-draft-n-max", "5", "--spec-draft-n-min", "0"]},  # --draft-max's new name
+                # --spec-type defaults to none; --spec-draft-n-max is --draft-max's new name
+                "server_args": ["--spec-type", "draft-simple", "--spec-draft-n-max", "5", "--spec-draft-n-min", "0"]},
                "gguf:q4_k_m", speculative=True),
     PeerConfig(LLAMA_CPP, "Q4_K_M plain (llama-bench tg128)", None, {"gguf": "q4_k_m", "tool": "llama-bench"},
                "gguf:q4_k_m"),
