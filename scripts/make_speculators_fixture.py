@@ -15,7 +15,8 @@ Run it in a venv that has speculators (it is not a specdec dependency), e.g.
 
 Layout of OUT (default tests/fixtures/speculators_eagle3):
   target/     a 3-layer Llama (hidden 64, vocab 256, char-level tokenizer), transformers save_pretrained
-  eagle3/     the speculator, the library's save_pretrained; its speculators_config.verifier.name_or_path
+  eagle3/     the speculator, the library's save_pretrained (less the copy of the library's config.py
+              it adds for trust_remote_code: that is the library's code, and nothing here reads it); its speculators_config.verifier.name_or_path
               is "../target": a path relative to the speculator folder (the script saves from there)
   reference.safetensors   tokens [S + 1] and the library's logits [ttt_steps, S, draft vocab] of
               Eagle3DraftModel.forward (teacher-forced TTT steps) on the target's auxiliary states
@@ -151,6 +152,7 @@ def main() -> None:
     model, d2t, t2d = make_speculator(target_dir, head_dir)
     model.save_pretrained(head_dir)
     ref = reference(head_dir, target_dir)
+    (head_dir / "config.py").unlink(missing_ok=True)  # the library's own config source (for trust_remote_code): not kept
     save_file(ref, str(out / "reference.safetensors"), metadata={"format": "pt"})
     config = json.loads((head_dir / "config.json").read_text())
     from importlib.metadata import version
