@@ -70,6 +70,8 @@ def run_specdec(args, prompts: list[list[int]]) -> dict:
     m = llm.get_metrics()
     drafted, accepted = m["num_draft_tokens"], m["num_accepted_tokens"]
     return {"engine": "specdec", "load_s": round(load_s, 1), "generate_s": round(gen_s, 1),
+            "counters": {"num_drafts": m["num_drafts"], "num_draft_tokens": drafted,
+                         "num_accepted_tokens": accepted},
             "mean_acceptance_length": round(m["mean_acceptance_length"], 3),
             "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
             "acceptance_per_position": [round(a, 3) for a in m["acceptance_per_position"]],
@@ -123,6 +125,9 @@ def main() -> None:
                               "stderr_tail": proc.stderr[-6000:]}
         else:
             result["vllm"] = json.load(open(ofile))
+            result["vllm"]["wall_s"] = round(time.perf_counter() - t0, 1)
+            result["vllm"]["log"] = [line[-200:] for line in proc.stderr.splitlines()  # what vLLM said of the head
+                                     if any(w in line.lower() for w in ("eagle", "draft", "speculat"))][:20]
     result["specdec"] = run_specdec(args, prompts)
     if "outputs" in result["vllm"]:
         a, b = result["vllm"].pop("outputs"), result["specdec"]["outputs"]
