@@ -11,6 +11,11 @@ Weights: ``fc.weight`` [H, n * H_t], ``layers.N.*`` (Hugging Face Llama names; l
 2H and it has a ``hidden_norm``), ``norm.weight``, ``lm_head.weight`` [draft vocab, H], ``d2t``
 [draft vocab] int64 offsets (target id = draft id + d2t[draft id]), ``t2d`` [target vocab] bool,
 and optionally ``embed_tokens.weight`` (absent: the target's embedding is shared).
+
+Checked against the library itself (speculators 0.9.0 writes ``architectures: ["Eagle3DraftModel"]``,
+``target_hidden_size: null``, its own ``embed_tokens`` and ``dtype``): tests/models/test_speculators_interop.py.
+A speculators folder given as the model (``LLM(model=DIR)``, as vLLM) runs its verifier with it as the draft
+(``override_with_speculators``).
 """
 from __future__ import annotations
 
