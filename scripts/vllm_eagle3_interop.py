@@ -126,7 +126,7 @@ def main() -> None:
         else:
             result["vllm"] = json.load(open(ofile))
             result["vllm"]["wall_s"] = round(time.perf_counter() - t0, 1)
-            result["vllm"]["log"] = [line[-200:] for line in proc.stderr.splitlines()  # what vLLM said of the head
+            result["vllm"]["log"] = [line[-200:] for line in (proc.stdout + proc.stderr).splitlines()  # of the head
                                      if any(w in line.lower() for w in ("eagle", "draft", "speculat"))][:20]
     result["specdec"] = run_specdec(args, prompts)
     if "outputs" in result["vllm"]:
