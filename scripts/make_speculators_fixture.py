@@ -14,7 +14,7 @@ Run it in a venv that has speculators (it is not a specdec dependency), e.g.
 (speculators declares torchvision / torchaudio but building and saving a speculator imports neither.)
 
 Layout of OUT (default tests/fixtures/speculators_eagle3):
-  target/     a 3-layer Llama (hidden 64, vocab 256, char-level tokenizer), transformers save_pretrained
+  target/     a 3-layer Llama (hidden 64, 2 query / 1 kv heads, vocab 256, char-level tokenizer), transformers save_pretrained
   eagle3/     the speculator, the library's save_pretrained (less the copy of the library's config.py
               it adds for trust_remote_code: that is the library's code, and nothing here reads it); its speculators_config.verifier.name_or_path
               is "../target": a path relative to the speculator folder (the script saves from there)
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 SEED = 0
-VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE = 256, 64, 3, 4, 2, 64
+VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE = 256, 64, 3, 2, 1, 64  # head_dim 32: vLLM's CPU attention has no 16
 DRAFT_VOCAB, DRAFT_LAYERS, TTT_STEPS = 128, 2, 3
 # non-default flags, so a loader that ignores what the library wrote shows it
 FLAGS = dict(norm_before_residual=False, fc_norm=True, norm_output=True)

@@ -33,7 +33,7 @@ def run_vllm(args) -> dict:
 
     prompts = json.load(open(args.prompts))
     t0 = time.perf_counter()
-    llm = LLM(model=args.target, dtype="float32", max_model_len=1024, enforce_eager=True, disable_log_stats=False,
+    llm = LLM(model=args.target, dtype="float32", max_model_len=args.max_model_len, enforce_eager=True, disable_log_stats=False,
               seed=0, speculative_config={"method": "eagle3", "model": args.head,
                                           "num_speculative_tokens": args.k})
     load_s = time.perf_counter() - t0
@@ -60,7 +60,7 @@ def run_specdec(args, prompts: list[list[int]]) -> dict:
     from specdec import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=args.target, dtype="float32", max_model_len=1024, num_threads=args.num_threads,
+    llm = LLM(model=args.target, dtype="float32", max_model_len=args.max_model_len, num_threads=args.num_threads,
               speculative_config={"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k})
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=3, help="draft tokens per step (a chain)")
     ap.add_argument("--num-threads", type=int, default=1)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--no-chat-template", action="store_true", help="prompts as plain text (a target without one)")
     ap.add_argument("--timeout", type=int, default=3000, help="seconds for the vLLM run")
     ap.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--prompts", help=argparse.SUPPRESS)
@@ -105,7 +107,8 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.target)
     texts = (HELDOUT_CHAT + HELDOUT_CODE)[:args.num_prompts] if args.num_prompts <= 24 else HELDOUT_CHAT[
         :args.num_prompts // 2] + HELDOUT_CODE[:args.num_prompts - args.num_prompts // 2]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True)
+    prompts = [tok.encode(t) if args.no_chat_template else
+               tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True)
                for t in texts]
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
     result = {"head": args.head, "target": args.target, "prompts": len(prompts), "max_tokens": args.max_tokens,
@@ -117,7 +120,7 @@ def main() -> None:
         env.pop("PYTHONPATH", None)  # the vLLM venv must not see this checkout's specdec
         cmd = [args.vllm_python, os.path.abspath(__file__), "--vllm-worker", "--head", args.head, "--target",
                args.target, "--prompts", pfile, "--out", ofile, "--max-tokens", str(args.max_tokens), "--k",
-               str(args.k)]
+               str(args.k), "--max-model-len", str(args.max_model_len)]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode != 0:
