@@ -253,3 +253,15 @@ def test_compile_cache_and_threads(llm, prompts):
     for t in threads:
         t.join()
     assert not errors and all(o.outputs[0].text in CHOICE.choice for o in outs)
+
+
+def test_malformed_constraints_are_value_errors(llm, prompts):
+    for bad, match in [("json", "must be a StructuredOutputsParams"), ({"jsn": {}}, "unknown fields"),
+                       ({"regex": "a+", "whitespace_pattern": " ?"}, "whitespace_pattern")]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(structured_outputs=bad)
+    # a prompt that ends inside a structure: the grammar constrains the output from its start
+    out = llm.generate(['{"name": "'], SamplingParams(temperature=0, max_tokens=20, structured_outputs=CHOICE),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text in CHOICE.choice
+    _idle(llm)
