@@ -96,11 +96,29 @@ def test_forced_tokens_at_the_limits(llm, llama_path, prompts):
     _idle(short)
 
 
-def test_forced_tokens_with_speculation(llama_path, noisy_draft_path, prompts):
-    spec = {"method": "draft_model", "model": noisy_draft_path, "num_speculative_tokens": 3}
+@pytest.fixture(scope="module")
+def eagle_head(llama_path, tmp_path_factory) -> str:
+    from specdec.models.eagle import init_head, save_head
+    from specdec.models.loader import load_model
+
+    head = init_head(load_model(llama_path, torch.float32, torch.device("cpu")), seed=1)
+    out = tmp_path_factory.mktemp("so_edge_eagle") / "head"
+    save_head(head, out)
+    return str(out)
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "draft_model", "model": "noisy", "num_speculative_tokens": 3},
+    {"method": "eagle", "model": "eagle", "num_speculative_tokens": 3},
+    {"method": "eagle", "model": "eagle", "num_speculative_tokens": 3, "tree_topk": 2, "tree_nodes": 5},
+], ids=["draft-chain", "eagle-chain", "eagle-tree"])
+def test_forced_tokens_with_speculation(llama_path, noisy_draft_path, eagle_head, prompts, spec):
+    # every step that appends forced tokens is followed by one that feeds them with no drafts:
+    # EAGLE's features and the draft KV must catch up on them; a third of the batch does not speculate
+    spec = dict(spec, model={"noisy": noisy_draft_path, "eagle": eagle_head}[spec["model"]])
     plain = LLM(model=llama_path, **ENGINE)
     llm = LLM(model=llama_path, **ENGINE, speculative_config=spec)
-    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=LONG, use_speculation=i % 2 == 0,
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=LONG, use_speculation=i % 3 != 2,
                              logprobs=1 if i % 3 == 0 else None) for i in range(6)]
     want = plain.generate(prompts[:6], params, use_tqdm=False)
     got = llm.generate(prompts[:6], params, use_tqdm=False)
@@ -265,3 +283,16 @@ def test_malformed_constraints_are_value_errors(llm, prompts):
                        use_tqdm=False)[0].outputs[0]
     assert out.text in CHOICE.choice
     _idle(llm)
+
+
+def test_preemption_after_forced_tokens(llama_path, eagle_head, prompts):
+    spec = {"method": "eagle", "model": eagle_head, "num_speculative_tokens": 3}
+    small = LLM(model=llama_path, dtype="float32", device="cpu", max_model_len=128, kv_cache_memory=42 * 4096,
+                block_size=4, speculative_config=spec)
+    plain = LLM(model=llama_path, **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=LONG)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts[:10], params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in small.generate(prompts[:10], params, use_tqdm=False)]
+    assert small.engine.scheduler.num_preemptions > 0 and small.get_metrics()["num_forced_tokens"] > 0
+    assert got == want
+    _idle(small)
