@@ -66,8 +66,10 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         encoded = [self._encode(p) for p in prompts]
-        for _, ids in encoded:  # validate everything before anything is queued
+        for (_, ids), sp in zip(encoded, params):  # validate everything before anything is queued
             self.engine.validate_prompt(ids)
+            if sp.structured_outputs is not None:  # compiled once: add_request finds it in the cache
+                self.engine.compile_grammar(sp.structured_outputs)
         ids = []
         for (text, token_ids), sp in zip(encoded, params):
             rid = str(next(self._counter))

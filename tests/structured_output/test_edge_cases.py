@@ -296,3 +296,14 @@ def test_preemption_after_forced_tokens(llama_path, eagle_head, prompts):
     assert small.engine.scheduler.num_preemptions > 0 and small.get_metrics()["num_forced_tokens"] > 0
     assert got == want
     _idle(small)
+
+
+def test_a_bad_grammar_in_a_batch_queues_nothing(llm, prompts):
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(("))
+    good = SamplingParams(temperature=0, max_tokens=20, structured_outputs=CHOICE)
+    with pytest.raises(ValueError, match=r"structured_outputs\.regex"):
+        llm.generate(prompts[:3], [good, good, bad], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    outs = llm.generate(prompts[:2], good, use_tqdm=False)
+    assert all(o.outputs[0].text in CHOICE.choice for o in outs)
+    _idle(llm)
