@@ -79,7 +79,10 @@ class GrammarBackend:
                 return self.compiler.compile_grammar(choice_grammar(params.choice))
             return self.compiler.compile_grammar(params.grammar)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own
-            raise ValueError(f"structured_outputs.{kind}: {_first_line(e)}") from None
+            hint = ""
+            if kind == "grammar" and _LARK_RULE.search(params.grammar) and "::=" not in params.grammar:
+                hint = " (this looks like a Lark grammar; only EBNF is supported: root ::= ...)"
+            raise ValueError(f"structured_outputs.{kind}: {_first_line(e)}{hint}") from None
 
 
 # xgrammar 0.2.9 writes the characters of a length-bounded string (minLength / maxLength) as
@@ -110,6 +113,9 @@ def get_backend(key: tuple, tokenizer_loader) -> GrammarBackend:
         if backend is None:
             backend = _backends[key] = GrammarBackend(tokenizer_loader(), key[1], key[2])
         return backend
+
+
+_LARK_RULE = re.compile(r"^\??[a-z_][a-z0-9_]*\s*:", re.MULTILINE)  # "start: ...", "?value: ..."
 
 
 def _first_line(e: Exception) -> str:

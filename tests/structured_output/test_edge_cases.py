@@ -278,6 +278,8 @@ def test_malformed_constraints_are_value_errors(llm, prompts):
                        ({"regex": "a+", "whitespace_pattern": " ?"}, "whitespace_pattern")]:
         with pytest.raises(ValueError, match=match):
             SamplingParams(structured_outputs=bad)
+    with pytest.raises(ValueError, match="looks like a Lark grammar"):
+        llm.engine.compile_grammar(StructuredOutputsParams(grammar='start: "yes" | "no"'))
     # a prompt that ends inside a structure: the grammar constrains the output from its start
     out = llm.generate(['{"name": "'], SamplingParams(temperature=0, max_tokens=20, structured_outputs=CHOICE),
                        use_tqdm=False)[0].outputs[0]
