@@ -94,6 +94,12 @@ def test_forced_tokens_at_the_limits(llm, llama_path, prompts):
                          use_tqdm=False)[0].outputs[0]
     assert got.token_ids == want.token_ids[:3] and got.finish_reason == "length"
     _idle(short)
+    # a forced run longer than the step's token budget is fed in chunks
+    chunked = LLM(model=llama_path, **ENGINE, max_num_batched_tokens=3)
+    got = chunked.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=60, structured_outputs=LONG),
+                           use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    _idle(chunked)
 
 
 @pytest.fixture(scope="module")
