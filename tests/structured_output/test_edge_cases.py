@@ -315,3 +315,19 @@ def test_a_bad_grammar_in_a_batch_queues_nothing(llm, prompts):
     outs = llm.generate(prompts[:2], good, use_tqdm=False)
     assert all(o.outputs[0].text in CHOICE.choice for o in outs)
     _idle(llm)
+
+
+def test_a_grammar_the_vocabulary_cannot_continue_ends_the_request(make_model, make_char_tokenizer):
+    # a character-level vocabulary without capitals: after "ab" no token continues "abX"
+    path = make_model("so_char", tokenizer=make_char_tokenizer(), vocab_size=32)
+    spec = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 2, "num_speculative_tokens": 3}
+    for kw in ({}, {"speculative_config": spec}):
+        llm = LLM(model=path, **ENGINE, **kw)
+        dead = [SamplingParams(temperature=t, seed=0, max_tokens=10, structured_outputs=c)
+                for t in (0.0, 1.0) for c in (StructuredOutputsParams(choice=["abX"]),
+                                                 StructuredOutputsParams(regex="ab[A-Z]"))]
+        outs = llm.generate(["ab ab ab"] * 4 + ["cd"], dead + [SamplingParams(max_tokens=5)], use_tqdm=False)
+        for o in outs[:4]:
+            assert o.outputs[0].text == "ab" and o.outputs[0].finish_reason == "stop"
+        assert len(outs[4].outputs[0].token_ids) == 5
+        _idle(llm)
