@@ -16,7 +16,8 @@ from specdec.sampling_params import SamplingParams
 from specdec.server.limits import RequestLimits, check_limits
 from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from specdec.server.request_body import parse_request
-from specdec.server.structured import request_constraint
+from specdec.server.structured import check_buildable, engine_error_param, request_constraint
+from specdec.structured_output import StructuredOutputsParams
 from specdec.server.tools import NO_TOOLS, ToolPlan, plan_tools
 from specdec.tool_parsers import ToolParser
 
@@ -50,6 +51,8 @@ class Preparer:
     max_token_chars: int
     validate_prompt: Callable[[list[int]], None]  # EngineCore.validate_prompt: reads immutable fields only
     tool_parser: ToolParser | None = None  # the model's tool-call format (--tool-call-parser or its template)
+    # EngineCore.compile_grammar (thread-safe, cached): a grammar that does not compile is a 400 here
+    compile_grammar: Callable[[StructuredOutputsParams], object] = check_buildable
 
     def check_model(self, name: str | None) -> str:
         if name is not None and name not in self.model_names:
@@ -68,6 +71,12 @@ class Preparer:
                                     f"cannot be combined with {field}", param="tool_choice")
             constraint, field = tools.constraint, "tool_choice"
         params = req.to_sampling_params(constraint)
+        if constraint is not None:
+            try:
+                self.compile_grammar(constraint)
+            except ValueError as e:
+                param = engine_error_param(str(e), field)
+                raise APIError(400, f"{param}: {str(e).split(': ', 1)[-1]}", param=param) from None
         if num_prompts * params.n > self.capacity:
             raise APIError(400, f"the request needs {num_prompts * params.n} sequences (prompts x n), more than "
                                 f"this server's capacity of {self.capacity}", param="n")

@@ -4,8 +4,8 @@ mapped to one ``StructuredOutputsParams`` that the engine enforces.
 
 At most one may be set. Every problem is a 400 naming the field as the client spelled it: two
 constraints at once, a field ``StructuredOutputsParams`` refuses, and a schema, regex or
-grammar that xgrammar cannot build (checked here, before admission, so a stream gets a 400
-status rather than an in-band error after its 200).
+grammar that does not compile (the Preparer compiles it before admission, so a stream gets a
+400 status rather than an in-band error after its 200).
 """
 from __future__ import annotations
 
@@ -80,13 +80,11 @@ def _response_format_kwargs(rf) -> dict:
 
 def make_constraint(kwargs: dict, field: str) -> StructuredOutputsParams:
     """``StructuredOutputsParams(**kwargs)``, its ValueError a 400 naming ``field`` (and its
-    sub-field for ``structured_outputs``); then a check that xgrammar can build the grammar."""
+    sub-field for ``structured_outputs``)."""
     try:
-        params = StructuredOutputsParams(**kwargs)
+        return StructuredOutputsParams(**kwargs)
     except (TypeError, ValueError) as e:
         raise APIError(400, f"{field}: {_strip_prefix(str(e))}", param=_param(field, str(e))) from None
-    check_buildable(params, field)
-    return params
 
 
 def _strip_prefix(message: str) -> str:
@@ -102,45 +100,39 @@ def _param(field: str, message: str) -> str:
     return field
 
 
-def check_buildable(params: StructuredOutputsParams, field: str) -> None:
-    """Build the grammar once without a tokenizer: a schema, regex or grammar xgrammar refuses
-    is the client's error. (The engine compiles it for the vocabulary; its ValueError, should
-    it still refuse, is mapped by ``engine_error_param``.)"""
+def check_buildable(params: StructuredOutputsParams) -> None:
+    """Build the grammar without a tokenizer, as the engine would, and raise its kind of error
+    (``ValueError("structured_outputs.<kind>: ...")``) if xgrammar refuses it. The server's
+    check when the engine offers no ``compile_grammar`` to call before queueing."""
     import xgrammar as xgr
 
     kind = params.kind
     try:
         if kind == "json":
-            xgr.Grammar.from_json_schema(params.json, any_whitespace=not params.disable_any_whitespace)
+            xgr.Grammar.from_json_schema(params.json, any_whitespace=not params.disable_any_whitespace,
+                                         strict_mode=params.disable_additional_properties)
         elif kind == "regex":
             xgr.Grammar.from_regex(params.regex)
         elif kind == "grammar":
-            _build_grammar_text(params.grammar)
+            xgr.Grammar.from_ebnf(params.grammar)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own types
-        param = {"response_format": "response_format.json_schema.schema",
-                 "structured_outputs": f"structured_outputs.{kind}"}.get(field, field)
-        raise APIError(400, f"{param}: xgrammar cannot build this {kind}: {_first_line(e)}", param=param) from None
-
-
-def _build_grammar_text(text: str) -> None:
-    import xgrammar as xgr
-
-    try:
-        xgr.Grammar.from_ebnf(text)
-    except Exception as ebnf_error:  # noqa: BLE001 - maybe Lark syntax, which the engine also takes
-        try:
-            xgr.Grammar.from_lark(text)
-        except Exception:  # noqa: BLE001
-            raise ebnf_error from None
+        raise ValueError(f"structured_outputs.{kind}: {_first_line(e)}") from None
 
 
 def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:300]
+    text = str(e).strip() or type(e).__name__
+    # xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: "
+    return re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", text.splitlines()[0])[:300]
 
 
 def engine_error_param(message: str, field: str | None) -> str | None:
-    """The request field an engine ``ValueError`` ("structured_outputs.<kind>: ...") is about."""
-    if field is None or not message.startswith("structured_outputs."):
+    """The request field a grammar ``ValueError`` ("structured_outputs.<kind>: ...") is about,
+    as the client spelled it (``field``: where the request's constraint came from)."""
+    m = re.match(r"structured_outputs\.(\w+):", message)
+    if field is None or m is None:
         return None
-    return {"structured_outputs": message.split(":", 1)[0].strip()}.get(field, field)
+    if field == "structured_outputs":
+        return f"structured_outputs.{m.group(1)}"
+    if field == "response_format" and m.group(1) == "json":
+        return "response_format.json_schema.schema"
+    return field

@@ -126,6 +126,12 @@ def hermes_template() -> str:
 
 
 @pytest.fixture(scope="session")
+def server_process() -> type[ServerProcess]:
+    """The class, for modules that start a server on a checkpoint of their own."""
+    return ServerProcess
+
+
+@pytest.fixture(scope="session")
 def _servers(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     plain = ServerProcess(tiny_model, [], logs / "plain.log")

@@ -99,6 +99,22 @@ def test_bad_constraints_are_400s_naming_the_field(tokenizer, fields, param):
     assert refused(completion, tokenizer, **fields).param == param
 
 
+def test_the_engine_compile_check_runs_before_admission(tokenizer):
+    seen = []
+
+    def compile_grammar(params):
+        seen.append(params.kind)
+        raise ValueError("structured_outputs.regex: no such thing")
+
+    prep = preparer()
+    prep.compile_grammar = compile_grammar
+    e = refused(chat, tokenizer, prep, guided_regex="a+")
+    assert e.param == "guided_regex" and "no such thing" in e.message and seen == ["regex"]
+    assert refused(chat, tokenizer, prep, structured_outputs={"regex": "a"}).param == "structured_outputs.regex"
+    chat(tokenizer, prep)  # unconstrained: nothing to compile
+    assert seen == ["regex", "regex"]
+
+
 def test_schema_and_tools_over_the_size_limit(tokenizer):
     big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(50)}}
     prep = preparer(max_schema_chars=500)
@@ -169,7 +185,8 @@ def test_tools_without_a_known_format_need_a_parser_flag(tokenizer):
 
 def test_engine_grammar_errors_name_the_request_field():
     message = "structured_outputs.json: cannot compile the schema"
-    assert engine_error_param(message, "response_format") == "response_format"
+    assert engine_error_param(message, "response_format") == "response_format.json_schema.schema"
+    assert engine_error_param("structured_outputs.grammar: bad", "tool_choice") == "tool_choice"
     assert engine_error_param(message, "structured_outputs") == "structured_outputs.json"
     assert engine_error_param(message, None) is None
     assert engine_error_param("SamplingParams.top_p must be ...", "guided_json") is None
