@@ -146,6 +146,9 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     spec_cost_calibration: bool = True
     tensor_parallel_size: int = 1  # ranks the target is sharded over (one process per rank)
+    # structured output: append the tokens a grammar forces (the only one it allows) without a
+    # target decision; lossless, since the constrained target gives them probability 1
+    structured_outputs_forced_tokens: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):

@@ -79,10 +79,14 @@ def _max_model_len(config, requested: int | None) -> int:
     return requested
 
 
+def tokenizer_path(cfg: EngineConfig, model_path: str) -> str:
+    return resolve_model_path(cfg.tokenizer) if cfg.tokenizer else model_path
+
+
 def resolve_model_info(cfg: EngineConfig) -> ModelInfo:
     path = resolve_model_path(cfg.model)
     config = load_config(path)
-    tokenizer = load_tokenizer(resolve_model_path(cfg.tokenizer) if cfg.tokenizer else path)
+    tokenizer = load_tokenizer(tokenizer_path(cfg, path))
     max_model_len = _max_model_len(config, cfg.max_model_len)
     spec = cfg.speculative_config
     if spec is not None and spec.method == "draft_model":

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from specdec.config import EngineConfig
-from specdec.engine.builder import resolve_model_info
+from specdec.engine.builder import resolve_model_info, tokenizer_path
 from specdec.engine.kv_cache_manager import KVCacheManager
 from specdec.engine.output_processor import OutputProcessor
 from specdec.engine.request import Request, RequestStatus
@@ -23,6 +23,8 @@ from specdec.profiling import profile_range
 from specdec.sampling_params import SamplingParams
 from specdec.spec_decode.controller import SpecController
 from specdec.spec_decode.metrics import SpecDecodeMetrics
+from specdec.structured_output.backend import get_backend
+from specdec.structured_output.params import StructuredOutputsParams
 from specdec.worker.worker import Worker
 
 
@@ -100,6 +102,12 @@ class EngineCore:
                 self.spec_controller.forget(r)
 
     # ---- requests in and out ----
+    def compile_grammar(self, params: StructuredOutputsParams):
+        """Compile (or find in the cache) a request's grammar; a ``ValueError`` naming the field
+        if it does not compile. Thread-safe: a server may call it before queueing the request."""
+        key = (tokenizer_path(self.config, self.model_path), self.vocab_size, tuple(self.eos_token_ids))
+        return get_backend(key, lambda: self.tokenizer).compile(params)
+
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -117,6 +125,8 @@ class EngineCore:
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
+        if params.structured_outputs is not None:
+            self.compile_grammar(params.structured_outputs)
         children = []
         for i in range(params.n):
             children.append(Request(

@@ -27,6 +27,7 @@ import torch
 from specdec.layers.sampler import SamplingMetadata, processed_probs, sample_from_probs
 from specdec.spec_decode.plan import TreeBudget
 from specdec.spec_decode.proposer import DraftProposal, Proposer
+from specdec.structured_output.masking import end_drafting, mask_draft_logits
 from specdec.worker.model_runner import ModelRunner
 from specdec.worker.request_state import CachedRequestState
 
@@ -71,6 +72,7 @@ class DraftModelProposer(Proposer):
         block_tables = [r.block_ids for r in reqs]
         batch = self._first_batch(reqs, block_tables)
         probs_per_pass, tokens_per_pass = [], []
+        constrained = any(r.grammar is not None for r in reqs)
         rows = list(range(len(reqs)))  # which requests are still drafting
         predicted = None  # [len(rows), H] hidden states of the last pass's drafting rows
         for step in range(max(ks)):
@@ -80,6 +82,8 @@ class DraftModelProposer(Proposer):
                                          block_tables, predicted)
             logits, hidden = self._forward(batch)  # [len(rows), V]
             predicted = self._pass_hidden(batch, hidden)
+            if constrained:
+                mask_draft_logits(logits, [reqs[j] for j in rows], [drafts[active[j]] for j in rows])
             sub = meta if len(rows) == len(reqs) else meta.expand([int(j in rows) for j in range(len(reqs))])
             if sub.all_greedy:
                 q, tok = None, logits.argmax(dim=-1)
@@ -97,6 +101,7 @@ class DraftModelProposer(Proposer):
             tokens_per_pass.append(full)
             probs_per_pass.append((rows, q))
         self._finish(reqs, ks)
+        end_drafting(reqs)
         return DraftProposal(drafts, self._flat_probs(probs_per_pass, ks, active, len(requests), meta))
 
     # ---- token trees ----
@@ -119,7 +124,11 @@ class DraftModelProposer(Proposer):
         depth_cap = [max(1, min(r.spec_depth or self.tree_depth, self.tree_depth, s)) for r, s in zip(reqs, slots)]
         max_depth = max(depth_cap)
         parent_rows = [(j, -1) for j in range(len(reqs))]  # (request, node) behind each row of the last pass
+        constrained = any(r.grammar is not None for r in reqs)
         for depth in range(1, max_depth + 1):
+            if constrained:
+                mask_draft_logits(logits, [reqs[j] for j, _ in parent_rows],
+                                  [trees[j].path_tokens(n) for j, n in parent_rows])
             top_lp, top_tok = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)
             for (j, node), lps, toks in zip(parent_rows, top_lp.tolist(), top_tok.tolist()):
                 trees[j].add_children(node, toks, lps, depth)
@@ -150,6 +159,7 @@ class DraftModelProposer(Proposer):
             for row, (j, n) in enumerate(parent_rows):
                 trees[j].row_of[n] = row
         self._finish_tree(reqs)
+        end_drafting(reqs)
         limits = [min(self.tree_nodes, s) for s in slots]
         expected = None
         if tree_budget is not None:
@@ -234,6 +244,14 @@ class _GrowingTree:
             self.parents.append(parent)
             self.depths.append(depth)
             self.scores.append(score + lp)
+
+    def path_tokens(self, node: int) -> list[int]:
+        """The tokens from the root's child down to ``node`` ([] for the root, -1)."""
+        out = []
+        while node >= 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
 
     def frontier(self, depth: int, width: int) -> list[int]:
         """The ``width`` best-scoring nodes of ``depth`` (to be fed, to grow their children)."""

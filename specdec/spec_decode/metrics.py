@@ -102,6 +102,7 @@ class SpecDecodeMetrics:
     k_histogram: Counter = field(default_factory=Counter)  # K actually used per request-step (incl. 0)
     num_steps: int = 0
     num_emitted_tokens: int = 0
+    num_forced_tokens: int = 0  # structured output: tokens a grammar forced, no target decision needed
     time_drafting: float = 0.0
     time_target: float = 0.0
     time_sampling: float = 0.0
@@ -127,6 +128,7 @@ class SpecDecodeMetrics:
                 self.observe(result.num_draft_tokens[i], result.num_accepted_tokens[i],
                              result.num_draft_positions[i])
         self.num_emitted_tokens += record.total_emitted_tokens
+        self.num_forced_tokens += sum(result.num_forced_tokens)
         self.num_steps += 1
         self.time_drafting += result.draft_seconds
         self.time_target += result.target_seconds
@@ -152,6 +154,7 @@ class SpecDecodeMetrics:
             "k_histogram": dict(sorted(self.k_histogram.items())),
             "num_steps": self.num_steps,
             "num_emitted_tokens": self.num_emitted_tokens,
+            "num_forced_tokens": self.num_forced_tokens,
             "time_drafting_s": self.time_drafting,
             "time_target_s": self.time_target,
             "time_sampling_s": self.time_sampling,

@@ -50,6 +50,24 @@ class DraftProposal:
     def is_tree(self) -> bool:
         return self.draft_parents is not None
 
+    def keep_drafts(self, kept: list[list[int] | None]) -> DraftProposal:
+        """Only the drafts ``kept[i]`` (indices, in order; None: all) of each request; a kept tree
+        node's ancestors must be kept too."""
+        tokens, parents, prob_rows, first = [], [] if self.is_tree else None, [], 0
+        for i, drafts in enumerate(self.draft_token_ids):
+            keep = range(len(drafts)) if kept[i] is None else kept[i]
+            tokens.append([drafts[n] for n in keep])
+            prob_rows.extend(first + n for n in keep)
+            first += len(drafts)
+            if parents is not None:
+                index = {n: j for j, n in enumerate(keep)}
+                parents.append([index[self.draft_parents[i][n]] if self.draft_parents[i][n] >= 0 else -1
+                                for n in keep])
+        probs = self.draft_probs
+        if probs is not None:
+            probs = probs.index_select(0, torch.tensor(prob_rows, dtype=torch.int64, device=probs.device))
+        return DraftProposal(tokens, probs, parents, self.expected_accepted)
+
     def row_histories(self, i: int) -> list[list[int]]:
         """Request i's verification rows (1 + its drafts): the drafts before each scored position."""
         drafts = self.draft_token_ids[i]

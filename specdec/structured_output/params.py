@@ -83,4 +83,4 @@ def _schema_text(schema) -> str:
     if not isinstance(schema, (dict, bool)):
         raise ValueError("StructuredOutputsParams.json must be a JSON schema (dict, JSON string or pydantic "
                          f"model class), got {type(schema).__name__}")
-    return _json.dumps(schema, sort_keys=True)
+    return _json.dumps(schema)

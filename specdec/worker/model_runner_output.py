@@ -15,8 +15,11 @@ class ModelRunnerOutput:
     num_accepted_tokens: list[int] = field(default_factory=list)  # per request: drafts kept
     num_draft_positions: list[int] = field(default_factory=list)  # per request: K of a chain, depth of a tree
     # per request, per sampled token: {token: logprob, top alternatives...} under the target's raw
-    # distribution; None for requests that asked for no logprobs
+    # distribution (masked by the grammar of a constrained request: a forced token has 0.0); None
+    # for requests that asked for no logprobs
     logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)
+    # per request: tokens its grammar forced after the target's decision (no target row scored them)
+    num_forced_tokens: list[int] = field(default_factory=list)
     num_target_rows: int = 0  # rows the target forward ran
     expected_accepted: float | None = None  # adaptive trees: accepted drafts the draft's probabilities predict
     draft_seconds: float = 0.0

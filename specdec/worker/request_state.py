@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from specdec.engine.request import TokenSequence
 from specdec.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from specdec.structured_output.grammar_state import GrammarState
 
 
 @dataclass(eq=False)
@@ -27,6 +32,7 @@ class CachedRequestState(TokenSequence):
     num_draft_computed_tokens: int = 0  # tokens whose draft KV is valid (the proposer's)
     block_ids: list[int] = field(default_factory=list)  # the scheduler's, this step
     spec_depth: int = 0  # this step's planned tree depth (0: the proposer's own)
+    grammar: GrammarState | None = None  # structured output: the request's matcher (the worker's)
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self):

@@ -14,16 +14,23 @@ import time
 import torch
 
 from specdec.config import EngineConfig
+from specdec.engine.builder import load_tokenizer, tokenizer_path
 from specdec.engine.scheduler_output import SchedulerOutput
 from specdec.layers.logits_processor import process_target_logits
 from specdec.layers.sampler import SamplingMetadata
 from specdec.profiling import profile_range
 from specdec.spec_decode.proposer import DraftProposal
 from specdec.spec_decode.verifier import Verification
+from specdec.structured_output.backend import get_backend
+from specdec.structured_output.grammar_state import GrammarState
+from specdec.structured_output.masking import apply_bitmask, prune_proposal, verification_bitmask
 from specdec.worker.model_runner_output import ModelRunnerOutput
 from specdec.worker.request_state import CachedRequestState
 from specdec.worker.setup import build_worker_parts
 from specdec.worker.target_inputs import TargetInputs, prepare_target
+
+
+MAX_FORCED_TOKENS = 64  # per request and step
 
 
 class Worker:
@@ -39,7 +46,10 @@ class Worker:
         self.chain_verifier = parts.chain_verifier
         self.tree_verifier = parts.tree_verifier
         self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
         self.requests: dict[str, CachedRequestState] = {}
+        self._grammar_key = (tokenizer_path(cfg, model_path), vocab_size, tuple(eos_token_ids))
+        self.forced_tokens = cfg.structured_outputs_forced_tokens
 
     @property
     def num_kv_blocks(self) -> int:
@@ -51,6 +61,8 @@ class Worker:
         t0 = time.perf_counter()
         with profile_range("draft"):
             proposal = self._propose(reqs, sched)
+            if proposal.draft_token_ids and any(r.grammar is not None for r in reqs):
+                proposal = prune_proposal(reqs, sched.num_scheduled_tokens, proposal)
         t1 = time.perf_counter()
         inputs = prepare_target(self.runner, reqs, sched.num_scheduled_tokens, proposal)
         with profile_range("forward"):
@@ -71,8 +83,10 @@ class Worker:
     def _update_states(self, sched: SchedulerOutput) -> list[CachedRequestState]:
         for new in sched.new_requests:
             gen = None if new.seed is None else torch.Generator(device=self.device).manual_seed(new.seed)
-            self.requests[new.request_id] = CachedRequestState(
+            state = self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.prompt_token_ids), new.sampling_params, self.eos_token_ids, gen)
+            if new.sampling_params.structured_outputs is not None:
+                state.grammar = self._grammar_state(new.sampling_params.structured_outputs)
         for rid in sched.preempted_req_ids:  # its blocks were freed: the draft KV is gone too
             state = self.requests.get(rid)
             if state is not None:
@@ -98,7 +112,13 @@ class Worker:
         meta = SamplingMetadata.from_params([r.sampling_params for r in vreqs], [r.generator for r in vreqs],
                                             self.device)
         meta_rows = meta.expand([len(proposal.draft_token_ids[i]) + 1 for i in verified])
-        logits = process_target_logits(logits, vreqs, [proposal.row_histories(i) for i in verified], meta_rows)
+        histories = [proposal.row_histories(i) for i in verified]
+        masks = verification_bitmask(vreqs, histories, logits.shape[1])
+        if masks is not None:  # in place: the logprobs below are the constrained distribution's too
+            apply_bitmask(logits, masks[0].to(logits.device), masks[1], fallback_uniform=False)
+        logits = process_target_logits(logits, vreqs, histories, meta_rows)
+        if masks is not None:  # min_tokens may have banned the only token the grammar allows
+            apply_bitmask(logits, masks[0].to(logits.device), masks[1], fallback_uniform=True)
         verifier = self.tree_verifier if proposal.is_tree else self.chain_verifier
         return verifier.verify(logits, proposal, verified, meta)
 
@@ -107,7 +127,7 @@ class Worker:
         out = ModelRunnerOutput(
             request_ids=sched.request_ids, sampled_token_ids=[[] for _ in reqs], num_draft_tokens=proposal.num_draft_tokens,
             num_accepted_tokens=[0] * num_reqs, num_draft_positions=proposal.num_positions,
-            logprobs=[None] * num_reqs, num_target_rows=len(inputs.batch.input_ids),
+            logprobs=[None] * num_reqs, num_forced_tokens=[0] * num_reqs, num_target_rows=len(inputs.batch.input_ids),
             expected_accepted=proposal.expected_accepted)
         num_kept = list(sched.num_scheduled_tokens)
         if verification is not None:
@@ -131,9 +151,35 @@ class Worker:
                 row += len(proposal.draft_token_ids[i]) + 1
                 for t in tokens:
                     req.append_output_token(t)
+                if req.grammar is not None:
+                    req.grammar.commit(tokens)
+                    if self.forced_tokens:
+                        out.num_forced_tokens[i] = self._append_forced(req, tokens, out.logprobs[i])
         if self.proposer is not None and self.proposer.needs_target_hidden:
             self.proposer.observe_target(reqs, inputs.starts, inputs.row_offsets, num_kept, hidden)
         return out
+
+    def _grammar_state(self, params) -> GrammarState:
+        backend = get_backend(self._grammar_key, lambda: load_tokenizer(self._grammar_key[0]))
+        return GrammarState(backend.compile(params), self.vocab_size, self.eos_token_ids)
+
+    @staticmethod
+    def _append_forced(req: CachedRequestState, tokens: list[int], logprobs: list | None) -> int:
+        """Tokens the grammar forces (exactly one allowed: probability 1 under the mask) join the
+        output without a target decision; the next step computes their KV with the newest token."""
+        scratch = GrammarState.allocate(1, req.grammar.vocab_size)
+        forced = 0
+        while forced < MAX_FORCED_TOKENS:
+            token = req.grammar.forced_token(scratch)
+            if token is None:
+                break
+            req.grammar.commit([token])
+            req.append_output_token(token)
+            tokens.append(token)
+            if logprobs is not None:
+                logprobs.append({token: 0.0})
+            forced += 1
+        return forced
 
     @staticmethod
     def _logprobs_source(reqs, verified: list[int], logits: torch.Tensor) -> torch.Tensor | None:
