@@ -16,7 +16,7 @@ WEATHER = {"name": "get_weather", "parameters": {
     "required": ["city", "unit"]}}
 NOOP = {"name": "noop"}  # no parameters: the arguments are {}
 
-VOCAB = [chr(i) for i in range(32, 127)] + ["\n", "<eos>"]
+VOCAB = [chr(i) for i in range(32, 127)] + ["\n", "\x07", "<eos>"]
 EOS = len(VOCAB) - 1
 
 
@@ -57,6 +57,7 @@ def test_required_accepts_calls_to_allowed_tools_only(compiler, parser_name, cal
                 call("get_weather", {"city": "P" * 11, "unit": "c"}),  # over maxLength
                 call("get_weather", {**GOOD, "extra": 1}),  # a property the schema does not have
                 call("noop", {"a": 1}),
+                call("get_weather", GOOD).replace("Paris", "Pa\x07is"),  # a raw control character: not JSON
                 "Sure! " + one,  # text before the call
                 one + " done",  # and after it
                 ""]:  # no call at all

@@ -20,6 +20,8 @@ HERMES_CASES = [
     ('<tool_call>{"arguments": {"q": "r"}, "name": "late_name"}</tool_call>', None, [("late_name", {"q": "r"})]),
     ('<tool_call>\n{"name": "s", "arguments": "{\\"k\\": 1}"}\n</tool_call>', None, [("s", {"k": 1})]),
     ('<tool_call>\n{"name": "open", "arguments": {"a": 1}}', None, [("open", {"a": 1})]),  # cut before the close
+    ('<tool_call>\n{"name": "ctl", "arguments": {"s": "a\x07b\tc"}}\n</tool_call>', None,
+     [("ctl", {"s": "a\x07b\tc"})]),  # raw control characters in a string: escaped, valid JSON
     ("plain answer", "plain answer", []),
     ("a < b and <tool", "a < b and <tool", []),
     ('<tool_call>\n{"name": "bad", "arguments": {"a": }\n</tool_call> after',

@@ -31,7 +31,6 @@ from specdec.server.metrics import ServerMetrics
 from specdec.server.prepare import Preparer, max_token_chars
 from specdec.server.protocol import APIError
 from specdec.server.request_body import read_body
-from specdec.server.structured import check_buildable
 from specdec.server.serving import OpenAIServing
 from specdec.server.tokenizer_pool import TokenizerPool
 from specdec.tool_parsers import get_tool_parser, parser_for_template
@@ -76,8 +75,8 @@ def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
     tool_parser = (get_tool_parser(settings.tool_call_parser) if settings.tool_call_parser
                    else parser_for_template(getattr(engine.tokenizer, "chat_template", None)))
     preparer = Preparer(settings.limits, [settings.model_name], engine.max_model_len, engine.vocab_size,
-                        admission.capacity, max_token_chars(engine.tokenizer), engine.validate_prompt, tool_parser,
-                        getattr(engine, "compile_grammar", check_buildable))
+                        admission.capacity, max_token_chars(engine.tokenizer), engine.validate_prompt,
+                        engine.compile_grammar, tool_parser)
     serving = OpenAIServing(async_engine, admission, preparer, pool, settings.write_timeout)
     started = int(time.time())
     limits = settings.limits

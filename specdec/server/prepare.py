@@ -16,7 +16,7 @@ from specdec.sampling_params import SamplingParams
 from specdec.server.limits import RequestLimits, check_limits
 from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from specdec.server.request_body import parse_request
-from specdec.server.structured import check_buildable, engine_error_param, request_constraint
+from specdec.server.structured import engine_error_param, request_constraint
 from specdec.structured_output import StructuredOutputsParams
 from specdec.server.tools import NO_TOOLS, ToolPlan, plan_tools
 from specdec.tool_parsers import ToolParser
@@ -50,9 +50,9 @@ class Preparer:
     capacity: int  # admission capacity, in sequences
     max_token_chars: int
     validate_prompt: Callable[[list[int]], None]  # EngineCore.validate_prompt: reads immutable fields only
-    tool_parser: ToolParser | None = None  # the model's tool-call format (--tool-call-parser or its template)
     # EngineCore.compile_grammar (thread-safe, cached): a grammar that does not compile is a 400 here
-    compile_grammar: Callable[[StructuredOutputsParams], object] = check_buildable
+    compile_grammar: Callable[[StructuredOutputsParams], object]
+    tool_parser: ToolParser | None = None  # the model's tool-call format (--tool-call-parser or its template)
 
     def check_model(self, name: str | None) -> str:
         if name is not None and name not in self.model_names:

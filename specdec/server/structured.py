@@ -4,8 +4,9 @@ mapped to one ``StructuredOutputsParams`` that the engine enforces.
 
 At most one may be set. Every problem is a 400 naming the field as the client spelled it: two
 constraints at once, a field ``StructuredOutputsParams`` refuses, and a schema, regex or
-grammar that does not compile (the Preparer compiles it before admission, so a stream gets a
-400 status rather than an in-band error after its 200).
+grammar that does not compile (the Preparer compiles it with ``EngineCore.compile_grammar``
+before admission, so a stream gets a 400 status rather than an in-band error after its 200,
+and the engine finds it in its compile cache).
 """
 from __future__ import annotations
 
@@ -98,31 +99,6 @@ def _param(field: str, message: str) -> str:
     if field == "response_format":
         return "response_format.json_schema.schema" if m and m.group(1) == "json" else "response_format"
     return field
-
-
-def check_buildable(params: StructuredOutputsParams) -> None:
-    """Build the grammar without a tokenizer, as the engine would, and raise its kind of error
-    (``ValueError("structured_outputs.<kind>: ...")``) if xgrammar refuses it. The server's
-    check when the engine offers no ``compile_grammar`` to call before queueing."""
-    import xgrammar as xgr
-
-    kind = params.kind
-    try:
-        if kind == "json":
-            xgr.Grammar.from_json_schema(params.json, any_whitespace=not params.disable_any_whitespace,
-                                         strict_mode=params.disable_additional_properties)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(params.regex)
-        elif kind == "grammar":
-            xgr.Grammar.from_ebnf(params.grammar)
-    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own types
-        raise ValueError(f"structured_outputs.{kind}: {_first_line(e)}") from None
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip() or type(e).__name__
-    # xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: "
-    return re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", text.splitlines()[0])[:300]
 
 
 def engine_error_param(message: str, field: str | None) -> str | None:

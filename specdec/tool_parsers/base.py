@@ -9,8 +9,9 @@ therefore agree: the streamed content and argument fragments concatenate to what
 returns. Text in a tool-call tag that is not a valid call stays content.
 
 A call's ``arguments`` is the model's own JSON text for the arguments object (so a stream can
-send it as it is written); ``parse`` falls back to ``json.dumps`` only when the model wrote
-the keys in an order the streaming scan cannot follow.
+send it as it is written), with raw control characters inside strings escaped (JSON forbids
+them, and grammars for length-bounded strings let them through); ``parse`` falls back to
+``json.dumps`` only when the model wrote the keys in an order the streaming scan cannot follow.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-_DECODER = json.JSONDecoder()
+_DECODER = json.JSONDecoder(strict=False)  # control characters in strings: see escape_controls
 
 
 @dataclass
@@ -92,16 +93,16 @@ def parse_call_object(text: str, start: int, keys: tuple[str, ...]) -> tuple[Too
     args = obj[key]
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
-            if isinstance(json.loads(args), dict):
-                return ToolCall(obj["name"], args), end
+            if isinstance(_DECODER.decode(args), dict):
+                return ToolCall(obj["name"], escape_controls(args)), end
         except ValueError:
             pass
         return None, start
     if not isinstance(args, dict):
         return None, start
     raw = _raw_arguments(text, i, keys)
-    if raw is not None and json.loads(raw) == args:
-        return ToolCall(obj["name"], raw), end
+    if raw is not None and _DECODER.decode(raw) == args:
+        return ToolCall(obj["name"], escape_controls(raw)), end
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False)), end
 
 
@@ -119,9 +120,9 @@ def partial_call_object(text: str, start: int, keys: tuple[str, ...]) -> ToolCal
         return None  # not an object (yet): nothing safe to stream
     try:
         _, end = _DECODER.raw_decode(text, args_start)
-        return ToolCall(name, text[args_start:end], complete=False)
+        return ToolCall(name, escape_controls(text[args_start:end]), complete=False)
     except ValueError:  # unfinished: everything after the key is inside the arguments object
-        return ToolCall(name, text[args_start:], complete=False)
+        return ToolCall(name, escape_controls(text[args_start:]), complete=False)
 
 
 def _raw_arguments(text: str, start: int, keys: tuple[str, ...]) -> str | None:
@@ -133,6 +134,26 @@ def _raw_arguments(text: str, start: int, keys: tuple[str, ...]) -> str | None:
     except ValueError:
         return None
     return text[m.end():end]
+
+
+def escape_controls(json_text: str) -> str:
+    """``json_text`` with each control character inside a string written as ``\\u00XX``; a
+    prefix maps to a prefix of the whole, so streamed fragments still concatenate."""
+    if not any(c < " " for c in json_text):
+        return json_text
+    out, in_string, escaped = [], False, False
+    for c in json_text:
+        if in_string and c < " " and not escaped:
+            out.append(f"\\u{ord(c):04x}")
+            continue
+        out.append(c)
+        if escaped:
+            escaped = False
+        elif c == "\\" and in_string:
+            escaped = True
+        elif c == '"':
+            in_string = not in_string
+    return "".join(out)
 
 
 def _unescape(s: str) -> str:

@@ -12,6 +12,7 @@ from specdec.server.limits import RequestLimits
 from specdec.server.prepare import Preparer
 from specdec.server.protocol import APIError
 from specdec.server.structured import engine_error_param
+from specdec.structured_output.backend import GrammarBackend
 from specdec.tool_parsers import HermesToolParser
 
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
@@ -20,6 +21,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                                            "required": ["city"]}}}
 NOOP = {"type": "function", "function": {"name": "noop"}}
 USER = [{"role": "user", "content": "hi"}]
+GRAMMARS: GrammarBackend | None = None
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +31,16 @@ def tokenizer(tiny_tokenizer, hermes_template):
     return tok
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _grammar_backend(tiny_tokenizer):
+    global GRAMMARS
+    GRAMMARS = GrammarBackend(tiny_tokenizer, len(tiny_tokenizer), (tiny_tokenizer.eos_token_id,))
+
+
 def preparer(tool_parser=HermesToolParser(), **limits) -> Preparer:
-    return Preparer(RequestLimits(**limits), ["tiny"], 256, 320, 64, 8, lambda ids: None, tool_parser)
+    """The server's Preparer, compiling grammars with the engine's backend for the tiny tokenizer."""
+    return Preparer(RequestLimits(**limits), ["tiny"], 256, 320, 64, 8, lambda ids: None, GRAMMARS.compile,
+                    tool_parser)
 
 
 def chat(tokenizer, prep=None, **body):
