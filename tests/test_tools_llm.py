@@ -28,8 +28,9 @@ def test_chat_passes_tools_to_the_template(llm):
     assert not llm.tokenizer.decode(without).startswith("TOOLS")
 
 
-def test_chat_with_a_tool_grammar_returns_a_parsable_call(llm):
-    parser = get_tool_parser("hermes")
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json"])
+def test_chat_with_a_tool_grammar_returns_a_parsable_call(llm, parser_name):
+    parser = get_tool_parser(parser_name)
     grammar = tool_call_grammar(parser, [TOOL["function"]], parallel=False)
     params = SamplingParams(max_tokens=80, temperature=1.0, seed=0, structured_outputs=grammar)
     out = llm.chat(MESSAGES, params, use_tqdm=False, chat_template=TEMPLATE, tools=[TOOL])

@@ -150,11 +150,11 @@ class OpenAIServing:
             choices = []
             for c in gen.latest[0].outputs:
                 message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
-                if parser is not None:
+                if parser is not None:  # content stripped, as a stream sends it (it holds back blanks)
                     parsed = parser.parse(c.text)
+                    message["content"] = parsed.content if parsed.tool_calls else parsed.content or ""
                     if parsed.tool_calls:
-                        message = {"role": "assistant", "content": parsed.content,
-                                   "tool_calls": [call.as_openai(new_call_id()) for call in parsed.tool_calls]}
+                        message["tool_calls"] = [call.as_openai(new_call_id()) for call in parsed.tool_calls]
                         finish = _tool_finish(finish)
                 choice = {"index": c.index, "message": message,
                           "logprobs": None, "finish_reason": finish, "stop_reason": c.stop_reason}

@@ -193,6 +193,23 @@ def test_tools_without_a_known_format_need_a_parser_flag(tokenizer):
     assert chat(tokenizer, preparer(tool_parser=None), tools=[WEATHER], tool_choice="none").tool_parser is None
 
 
+def test_serve_flags():
+    import argparse
+
+    from specdec.server.cli import add_server_args, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    settings = settings_from_args(parser.parse_args(["--tool-call-parser", "llama3_json", "--max-schema-chars", "99"]),
+                                  "m")
+    assert settings.tool_call_parser == "llama3_json" and settings.limits.max_schema_chars == 99
+    assert settings_from_args(parser.parse_args([]), "m").tool_call_parser is None  # from the template
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tool-call-parser", "mistral"])
+    with pytest.raises(ValueError, match="max-schema-chars"):
+        settings_from_args(parser.parse_args(["--max-schema-chars", "0"]), "m")
+
+
 def test_engine_grammar_errors_name_the_request_field():
     message = "structured_outputs.json: cannot compile the schema"
     assert engine_error_param(message, "response_format") == "response_format.json_schema.schema"

@@ -166,6 +166,28 @@ def test_required_parallel_calls_stream_as_they_return(client):
     pytest.fail(f"only {checked} of 6 seeds ended within {PARALLEL_MAX_TOKENS} tokens")
 
 
+def test_each_streamed_choice_carries_its_own_calls(client):
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=2,
+              max_tokens=MAX_TOKENS, temperature=1.0, seed=12)
+    calls: dict[int, list] = {0: [], 1: []}
+    finish = {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            assert not c.delta.content
+            for tc in c.delta.tool_calls or []:
+                if tc.id:
+                    calls[c.index].append([tc.function.name, ""])
+                calls[c.index][tc.index][1] += tc.function.arguments or ""
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    for index in (0, 1):
+        assert len(calls[index]) == 1
+        check_call(*calls[index][0])
+    whole = client.chat.completions.create(**kw)
+    assert {c.index: [[t.function.name, t.function.arguments] for t in c.message.tool_calls]
+            for c in whole.choices} == calls
+
+
 CALL_TEXT = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 
 
