@@ -114,7 +114,9 @@ class Preparer:
         req = parse_request(ChatCompletionRequest, body)
         model, params, field, tools = self._common(req, 1)
         messages = req.template_messages()
-        self._check_length(sum(len(m.get("content") or "") for m in messages), "messages")
+        num_chars = sum(len(m.get("content") or "") for m in messages)
+        num_chars += sum(len(c.function.arguments) for m in req.messages for c in m.tool_calls or [])
+        self._check_length(num_chars, "messages")
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
         try:

@@ -165,6 +165,9 @@ def test_assistant_tool_calls_and_tool_results_reach_the_template(tokenizer):
     prompt = tokenizer.decode(prep.prompt_ids[0])
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
     assert "tool: [call_1] sunny" in prompt
+    long_args = json.dumps({"city": "x" * 256 * 8})  # more characters than 256 tokens of 8 can hold
+    messages[1]["tool_calls"][0]["function"]["arguments"] = long_args
+    assert refused(chat, tokenizer, messages=messages).param == "messages"
     messages[1]["tool_calls"][0]["function"]["arguments"] = "{city: Paris}"
     assert refused(chat, tokenizer, messages=messages).param == "messages.1.tool_calls.0.function.arguments"
     messages[1]["tool_calls"][0]["function"]["arguments"] = "[1]"
