@@ -15,6 +15,7 @@ them, and grammars for length-bounded strings let them through); ``parse`` falls
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -72,6 +73,7 @@ def held_back_prefix(text: str, tag: str) -> int:
     return 0
 
 
+@functools.lru_cache(maxsize=None)
 def _header(keys: tuple[str, ...]) -> re.Pattern:
     alternatives = "|".join(re.escape(k) for k in keys)
     return re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:' + alternatives + r')"\s*:\s*')
