@@ -174,8 +174,15 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
+        from specdec.models.speculators import override_with_speculators
+
+        # a speculators checkpoint as the model: its verifier is the target, the checkpoint the draft
+        model, tokenizer, spec_value = override_with_speculators(model, kwargs.pop("tokenizer", None),
+                                                                 kwargs.pop("speculative_config", None))
+        if tokenizer is not None:
+            kwargs["tokenizer"] = tokenizer
         spec = SpeculativeConfig.from_any(
-            kwargs.pop("speculative_config", None),
+            spec_value,
             speculative_model=kwargs.pop("speculative_model", None),
             num_speculative_tokens=kwargs.pop("num_speculative_tokens", None),
         )

@@ -51,7 +51,7 @@ def has_speculation(args) -> bool:
 def register_cli(subparsers) -> None:
     from specdec.bench import compare, latency, profile, sweep, throughput
 
-    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, sweep, compare, profile, workloads, serve")
+    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, sweep, compare, profile, workloads, structured, serve")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     for module in (latency, throughput, sweep, compare, profile):
         p = module.add_parser(sub)
@@ -60,6 +60,9 @@ def register_cli(subparsers) -> None:
     from specdec.bench.workloads import add_workloads_parser
 
     add_workloads_parser(sub).set_defaults(bench_parser=sub.choices["workloads"])
+    from specdec.bench.structured import add_structured_parser
+
+    add_structured_parser(sub).set_defaults(bench_parser=sub.choices["structured"])
     if "serve" in sub.choices:
         sub.choices["serve"].set_defaults(bench_parser=sub.choices["serve"])
     m = sub.add_parser("make-model", help="write a random checkpoint for benchmarks (speed ignores weights)")

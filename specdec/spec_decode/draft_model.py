@@ -128,7 +128,7 @@ class DraftModelProposer(Proposer):
         for depth in range(1, max_depth + 1):
             if constrained:
                 mask_draft_logits(logits, [reqs[j] for j, _ in parent_rows],
-                                  [trees[j].path_tokens(n) for j, n in parent_rows])
+                                  [trees[j].path_tokens(n) for j, n in parent_rows], tree=True)
             top_lp, top_tok = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)
             for (j, node), lps, toks in zip(parent_rows, top_lp.tolist(), top_tok.tolist()):
                 trees[j].add_children(node, toks, lps, depth)

@@ -106,6 +106,7 @@ class SpecDecodeMetrics:
     time_drafting: float = 0.0
     time_target: float = 0.0
     time_sampling: float = 0.0
+    time_grammar: float = 0.0  # structured output: matchers and masks
     time_comm: float = 0.0  # tensor parallelism: collectives and the step broadcast
 
     def observe(self, num_drafted: int, num_accepted: int, num_positions: int | None = None) -> None:
@@ -134,6 +135,7 @@ class SpecDecodeMetrics:
         self.time_target += result.target_seconds
         self.time_sampling += result.sampling_seconds
         self.time_comm += result.comm_seconds
+        self.time_grammar += result.grammar_seconds
 
     @property
     def stats(self) -> SpecDecodeStats:
@@ -159,4 +161,5 @@ class SpecDecodeMetrics:
             "time_target_s": self.time_target,
             "time_sampling_s": self.time_sampling,
             "time_comm_s": self.time_comm,
+            "time_grammar_s": self.time_grammar,
         }

@@ -36,9 +36,9 @@ class GrammarBackend:
         kind = params.kind
         try:
             if kind == "json":
-                return self.compiler.compile_json_schema(
+                return self.compiler.compile_grammar(json_schema_ebnf(
                     params.json, any_whitespace=not params.disable_any_whitespace,
-                    strict_mode=params.disable_additional_properties)
+                    strict_mode=params.disable_additional_properties))
             if kind == "json_object":  # any object, with the same whitespace control as a schema
                 return self.compiler.compile_json_schema('{"type": "object"}',
                                                          any_whitespace=not params.disable_any_whitespace)
@@ -49,6 +49,21 @@ class GrammarBackend:
             return self.compiler.compile_grammar(params.grammar)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own
             raise ValueError(f"structured_outputs.{kind}: {_first_line(e)}") from None
+
+
+# xgrammar 0.2.9 writes the characters of a length-bounded string (minLength / maxLength) as
+# this class, which admits raw control characters (invalid JSON); its unbounded strings use the
+# second one, which excludes them
+_BOUNDED_STRING_CHARS = r'[^\"\\\r\n]'
+_JSON_STRING_CHARS = r'[^\0-\x1f\"\\\r\n]'
+
+
+def json_schema_ebnf(schema: str, **options) -> str:
+    """A JSON schema's grammar as EBNF, with JSON's own string characters everywhere."""
+    import xgrammar as xgr
+
+    text = str(xgr.Grammar.from_json_schema(schema, **options))
+    return text.replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS)
 
 
 def choice_grammar(choices: list[str]) -> str:

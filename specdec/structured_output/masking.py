@@ -10,6 +10,9 @@ Lossless under speculation (the module the worker and the draft proposers call):
 """
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+
 import torch
 
 from specdec.spec_decode import tree
@@ -18,55 +21,127 @@ from specdec.structured_output.grammar_state import GrammarState
 from specdec.worker.request_state import CachedRequestState
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], fallback_uniform: bool) -> None:
-    """Set disallowed logits of ``rows`` to -inf in place (``bitmask`` row r masks logits row r).
-    A row left with no finite logit (a draft that gives every allowed token zero probability,
-    or min_tokens banning the only token the grammar allows) becomes uniform over the
-    allowed tokens when ``fallback_uniform``: any q is lossless as long as it is the one used."""
-    import xgrammar as xgr
+class GrammarClock:
+    """Seconds this process spent on grammar work (matchers, masks) since the last ``take``."""
 
+    def __init__(self):
+        self.seconds = 0.0
+
+    @contextmanager
+    def timed(self):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - t
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+GRAMMAR_CLOCK = GrammarClock()
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], fallback_uniform: bool,
+                  argmax_only: list[bool] | None = None) -> None:
+    """Set disallowed logits of ``rows`` to -inf in place (``bitmask`` row r masks logits row r).
+
+    ``argmax_only[j]``: only row ``rows[j]``'s argmax will be read (a greedy row without
+    logprobs): it is left alone when its argmax is allowed, which is then the masked argmax
+    too (ties included: the first maximum is allowed, so it is the first allowed maximum).
+    A row left with no finite logit (a draft that gives every allowed token zero probability,
+    or min_tokens banning the only token the grammar allows) becomes uniform over the allowed
+    tokens when ``fallback_uniform``: any q is lossless as long as it is the one used."""
+    if argmax_only is not None and any(argmax_only):
+        rows = _rows_whose_argmax_is_banned(logits, bitmask, rows, argmax_only)
     if not rows:
         return
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+    if logits.device.type == "cpu":
+        _apply_cpu(logits, bitmask, rows)
+    else:
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
     if not fallback_uniform:
         return
     index = torch.tensor(rows, device=logits.device)
     dead = logits.index_select(0, index).amax(dim=-1) == float("-inf")
     for r in index[dead.cpu()].tolist():
         allowed = unpack_row(bitmask[r], logits.shape[1]).to(logits.device)
-        logits[r] = torch.where(allowed, 0.0, float("-inf"))
+        with torch.inference_mode():
+            logits[r] = torch.where(allowed, 0.0, float("-inf"))
+
+
+def _rows_whose_argmax_is_banned(logits, bitmask, rows, argmax_only) -> list[int]:
+    lazy = [r for r, only in zip(rows, argmax_only) if only]
+    index = torch.tensor(lazy, dtype=torch.int64)
+    if lazy == list(range(lazy[0], lazy[0] + len(lazy))):  # no copy of the rows
+        top = logits[lazy[0]:lazy[0] + len(lazy)].argmax(dim=-1).cpu()
+    else:
+        top = logits.index_select(0, index.to(logits.device)).argmax(dim=-1).cpu()
+    allowed = (bitmask[index, top // 32] >> (top % 32).to(torch.int32)) & 1
+    banned = [lazy[j] for j in (allowed == 0).nonzero().flatten().tolist()]
+    return [r for r, only in zip(rows, argmax_only) if not only] + banned
+
+
+def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """numpy's table-driven unpackbits, then one masked fill (2x xgrammar's CPU kernel here)."""
+    import numpy as np
+
+    vocab = logits.shape[1]
+    words = bitmask.numpy()[rows]
+    allowed = torch.from_numpy(np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab])
+    banned = allowed.view(torch.bool).logical_not_()
+    first = rows[0]
+    with torch.inference_mode():  # the runner's logits are inference tensors
+        if rows == list(range(first, first + len(rows))):
+            logits[first:first + len(rows)].masked_fill_(banned, float("-inf"))
+        else:
+            index = torch.tensor(rows)
+            logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(banned, float("-inf")))
 
 
 def unpack_row(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """One bitmask row -> [vocab_size] bool."""
+    """One bitmask row -> [vocab_size] bool (the reference the fast paths are tested against)."""
     shifts = torch.arange(32, dtype=torch.int32)
     return ((words.unsqueeze(-1) >> shifts) & 1).view(-1)[:vocab_size].bool()
 
 
-def mask_draft_logits(logits: torch.Tensor, reqs: list[CachedRequestState], paths: list[list[int]]) -> None:
+def mask_draft_logits(logits: torch.Tensor, reqs: list[CachedRequestState], paths: list[list[int]],
+                      tree: bool = False) -> None:
     """Draft logits [len(reqs), V]: row j masked to what request j's grammar allows after its
-    committed output + ``paths[j]`` (the tokens drafted before this row)."""
+    committed output + ``paths[j]`` (the tokens drafted before this row). A greedy chain
+    reads only each row's argmax; a tree reads its top-k, so every row is masked."""
     rows = [j for j, r in enumerate(reqs) if r.grammar is not None]
     if not rows:
         return
-    bitmask = GrammarState.allocate(len(reqs), logits.shape[1])
-    for j in rows:
-        grammar = reqs[j].grammar
-        grammar.goto(paths[j])
-        grammar.fill(bitmask, j)
-    apply_bitmask(logits, bitmask.to(logits.device), rows, fallback_uniform=True)
+    with GRAMMAR_CLOCK.timed():
+        bitmask = GrammarState.allocate(len(reqs), logits.shape[1])
+        for j in rows:
+            grammar = reqs[j].grammar
+            grammar.goto(paths[j])
+            grammar.fill(bitmask, j)
+        argmax_only = None if tree else [reqs[j].sampling_params.is_greedy for j in rows]
+        apply_bitmask(logits, bitmask, rows, fallback_uniform=True, argmax_only=argmax_only)
 
 
 def end_drafting(reqs: list[CachedRequestState]) -> None:
     """Put every grammar back at its committed output after a proposal."""
-    for r in reqs:
-        if r.grammar is not None:
-            r.grammar.goto([])
+    with GRAMMAR_CLOCK.timed():
+        for r in reqs:
+            if r.grammar is not None:
+                r.grammar.goto([])
 
 
-def prune_proposal(reqs: list[CachedRequestState], num_scheduled: list[int], proposal: DraftProposal) -> DraftProposal:
+def prune_proposal(reqs: list[CachedRequestState], proposal: DraftProposal) -> DraftProposal:
     """Drop the drafts a constrained request's grammar rejects (a chain from its first rejected
     token on; a tree node and its subtree)."""
+    with GRAMMAR_CLOCK.timed():
+        return _prune(reqs, proposal)
+
+
+def _prune(reqs: list[CachedRequestState], proposal: DraftProposal) -> DraftProposal:
     kept: list[list[int] | None] = [None] * len(reqs)
     for i, req in enumerate(reqs):
         drafts = proposal.draft_token_ids[i]

@@ -25,4 +25,5 @@ class ModelRunnerOutput:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     sampling_seconds: float = 0.0
+    grammar_seconds: float = 0.0  # structured output: matchers and masks (part of the above)
     comm_seconds: float = 0.0  # tensor parallelism: inside the model's collectives (part of the above)

@@ -23,7 +23,7 @@ from specdec.spec_decode.proposer import DraftProposal
 from specdec.spec_decode.verifier import Verification
 from specdec.structured_output.backend import get_backend
 from specdec.structured_output.grammar_state import GrammarState
-from specdec.structured_output.masking import apply_bitmask, prune_proposal, verification_bitmask
+from specdec.structured_output.masking import GRAMMAR_CLOCK, apply_bitmask, prune_proposal, verification_bitmask
 from specdec.worker.model_runner_output import ModelRunnerOutput
 from specdec.worker.request_state import CachedRequestState
 from specdec.worker.setup import build_worker_parts
@@ -62,7 +62,7 @@ class Worker:
         with profile_range("draft"):
             proposal = self._propose(reqs, sched)
             if proposal.draft_token_ids and any(r.grammar is not None for r in reqs):
-                proposal = prune_proposal(reqs, sched.num_scheduled_tokens, proposal)
+                proposal = prune_proposal(reqs, proposal)
         t1 = time.perf_counter()
         inputs = prepare_target(self.runner, reqs, sched.num_scheduled_tokens, proposal)
         with profile_range("forward"):
@@ -76,6 +76,7 @@ class Worker:
         t3 = time.perf_counter()
         out = self._output(reqs, sched, proposal, inputs, verification, logits, hidden)
         out.draft_seconds, out.target_seconds, out.sampling_seconds = t1 - t0, t2 - t1, t3 - t2
+        out.grammar_seconds = GRAMMAR_CLOCK.take()
         if self.tp is not None:
             out.comm_seconds = self.tp.take_comm_seconds()
         return out
@@ -113,12 +114,15 @@ class Worker:
                                             self.device)
         meta_rows = meta.expand([len(proposal.draft_token_ids[i]) + 1 for i in verified])
         histories = [proposal.row_histories(i) for i in verified]
-        masks = verification_bitmask(vreqs, histories, logits.shape[1])
-        if masks is not None:  # in place: the logprobs below are the constrained distribution's too
-            apply_bitmask(logits, masks[0].to(logits.device), masks[1], fallback_uniform=False)
+        masks = self._grammar_masks(vreqs, histories, logits)
         logits = process_target_logits(logits, vreqs, histories, meta_rows)
-        if masks is not None:  # min_tokens may have banned the only token the grammar allows
-            apply_bitmask(logits, masks[0].to(logits.device), masks[1], fallback_uniform=True)
+        if masks is not None:  # greedy rows: masked only if their argmax is banned
+            bitmask, full, lazy = masks
+            # min_tokens may have banned the only token the grammar allows: mask again, with the fallback
+            again = full if any(r.sampling_params.min_tokens > r.num_output_tokens for r in vreqs) else []
+            with GRAMMAR_CLOCK.timed():
+                apply_bitmask(logits, bitmask, again + lazy, fallback_uniform=True,
+                              argmax_only=[False] * len(again) + [True] * len(lazy))
         verifier = self.tree_verifier if proposal.is_tree else self.chain_verifier
         return verifier.verify(logits, proposal, verified, meta)
 
@@ -152,12 +156,31 @@ class Worker:
                 for t in tokens:
                     req.append_output_token(t)
                 if req.grammar is not None:
-                    req.grammar.commit(tokens)
-                    if self.forced_tokens:
-                        out.num_forced_tokens[i] = self._append_forced(req, tokens, out.logprobs[i])
+                    with GRAMMAR_CLOCK.timed():
+                        req.grammar.commit(tokens)
+                        if self.forced_tokens:
+                            out.num_forced_tokens[i] = self._append_forced(req, tokens, out.logprobs[i])
         if self.proposer is not None and self.proposer.needs_target_hidden:
             self.proposer.observe_target(reqs, inputs.starts, inputs.row_offsets, num_kept, hidden)
         return out
+
+    @staticmethod
+    def _grammar_masks(vreqs, histories, logits):
+        """Mask the verification rows of constrained requests that sample or want logprobs now
+        (the logprobs are then the constrained distribution's); returns (bitmask, those rows,
+        the greedy rows, to be checked after the logits processors)."""
+        if all(r.grammar is None for r in vreqs):
+            return None
+        with GRAMMAR_CLOCK.timed():
+            bitmask, rows = verification_bitmask(vreqs, histories, logits.shape[1])
+            full, lazy, first = [], [], 0
+            for req, h in zip(vreqs, histories):
+                if req.grammar is not None:
+                    p = req.sampling_params
+                    (lazy if p.is_greedy and p.logprobs is None else full).extend(range(first, first + len(h)))
+                first += len(h)
+            apply_bitmask(logits, bitmask, full, fallback_uniform=False)
+        return bitmask, full, lazy
 
     def _grammar_state(self, params) -> GrammarState:
         backend = get_backend(self._grammar_key, lambda: load_tokenizer(self._grammar_key[0]))
