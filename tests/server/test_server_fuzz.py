@@ -45,6 +45,7 @@ CORPUS: list[tuple[str, bytes]] = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
                              b'"function": {"name": "f", "parameters": {"$ref": "#"}}}], "tool_choice": "required"}'),
     ("/v1/completions", b'{"prompt": "x", "guided_json": {"$ref": "#"}}'),
+    ("/v1/completions", b'{"prompt": "x", "guided_grammar": "root ::= root"}'),  # a grammar no token can start
 ]
 
 # values at the edges of what validation accepts: each must be served (a 200), not crash a step
