@@ -121,6 +121,14 @@ def test_stream_sends_no_markup_as_content_and_the_name_before_the_arguments():
     assert json.loads("".join(args)) == {"city": "Paris", "days": 3}
 
 
+def test_stream_drops_calls_past_max_calls():
+    text = HERMES_CASES[1][0]  # two calls
+    s = ToolCallStream(get_tool_parser("hermes"), max_calls=1)
+    indexes = {tc["index"] for end in range(1, len(text) + 1)
+               for tc in s.update(text[:end], final=end == len(text)).get("tool_calls", [])}
+    assert indexes == {0} and s.num_calls == 1
+
+
 def test_content_around_a_partial_tag_is_held_back_until_it_is_known():
     s = ToolCallStream(get_tool_parser("hermes"))
     assert s.update("Hi <tool", final=False) == {"content": "Hi"}

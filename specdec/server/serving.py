@@ -143,6 +143,7 @@ class OpenAIServing:
         top = params.logprobs or 0
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model}
         parser = prep.tool_parser
+        max_calls = None if req.parallel_tool_calls else 1  # "auto" cannot enforce it: later calls are dropped
 
         async def body(gen: Generation) -> dict:
             async for _ in gen.updates():
@@ -154,7 +155,7 @@ class OpenAIServing:
                     parsed = parser.parse(c.text)
                     message["content"] = parsed.content if parsed.tool_calls else parsed.content or ""
                     if parsed.tool_calls:
-                        message["tool_calls"] = [call.as_openai(new_call_id()) for call in parsed.tool_calls]
+                        message["tool_calls"] = [call.as_openai(new_call_id()) for call in parsed.tool_calls[:max_calls]]
                         finish = _tool_finish(finish)
                 choice = {"index": c.index, "message": message,
                           "logprobs": None, "finish_reason": finish, "stop_reason": c.stop_reason}
@@ -182,7 +183,7 @@ class OpenAIServing:
                         if parser is None:
                             delta = {"content": d.text} if d.text else {}
                         else:  # the parser sees the text sent so far, so calls never leak into content
-                            stream = tool_streams.setdefault(c.index, ToolCallStream(parser))
+                            stream = tool_streams.setdefault(c.index, ToolCallStream(parser, max_calls))
                             delta = stream.update(t.sent_text, final=finish is not None)
                             if stream.num_calls:
                                 finish = _tool_finish(finish)

@@ -176,8 +176,9 @@ class ToolCallStream:
     fields that are new (``content`` and / or ``tool_calls``). What was sent is never
     retracted: a call announced and later found malformed keeps what it sent."""
 
-    def __init__(self, parser: ToolParser):
+    def __init__(self, parser: ToolParser, max_calls: int | None = None):
         self.parser = parser
+        self.max_calls = max_calls  # calls past this many are not sent
         self.sent_content = ""
         self.call_ids: list[str] = []
         self.sent_arguments: list[str] = []
@@ -194,7 +195,7 @@ class ToolCallStream:
             delta["content"] = content[len(self.sent_content):]
             self.sent_content = content
         calls = []
-        for index, call in enumerate(snap.tool_calls):
+        for index, call in enumerate(snap.tool_calls[:self.max_calls]):
             if index == len(self.call_ids):
                 self.call_ids.append(new_call_id())
                 self.sent_arguments.append(call.arguments)

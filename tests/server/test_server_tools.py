@@ -217,6 +217,20 @@ def test_auto_parses_the_models_own_call(client, stream):
     assert finish == "tool_calls"
 
 
+def test_auto_without_parallel_calls_returns_the_first(client):
+    two = CALL_TEXT + '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=MAX_TOKENS, extra_body={"guided_regex": re.escape(two)})
+    assert len(client.chat.completions.create(**kw).choices[0].message.tool_calls) == 2
+    for stream in (False, True):
+        if stream:
+            _, calls, _ = stream_chat(client, parallel_tool_calls=False, **kw)
+            names = [c["name"] for c in calls.values()]
+        else:
+            names = [c.function.name for c in client.chat.completions.create(
+                parallel_tool_calls=False, **kw).choices[0].message.tool_calls]
+        assert names == ["get_weather"]
+
+
 def test_auto_without_a_call_is_content(client):
     choice = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=MAX_TOKENS,
                                             extra_body={"guided_regex": "It is sunny\\."}).choices[0]
