@@ -8,14 +8,10 @@ text, so it travels as an ordinary ``StructuredOutputsParams(grammar=...)``.
 from __future__ import annotations
 
 from specdec.structured_output import StructuredOutputsParams
+from specdec.structured_output.backend import json_strings_fixed
 from specdec.tool_parsers.base import ToolParser
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: no parameters means none
-# xgrammar 0.2.9 writes a length-bounded string's characters (minLength / maxLength) as this
-# class, which admits raw control characters (invalid JSON); the class of its unbounded strings
-# excludes them, and so does ours
-_BOUNDED_STRING_CHARS = r'[^\"\\\r\n]'
-_JSON_STRING_CHARS = r'[^\0-\x1f\"\\\r\n]'
 MAX_WHITESPACE = 4  # per run inside the arguments: a newline and some indentation, no endless blanks
 
 
@@ -48,4 +44,4 @@ def tool_call_grammar(parser: ToolParser, functions: list[dict], parallel: bool)
         fmt = TagsWithSeparatorFormat(tags=tags, separator=parser.separator, at_least_one=True,
                                       stop_after_first=not parallel)
     ebnf = str(xgr.Grammar.from_structural_tag(StructuralTag(format=fmt)))
-    return StructuredOutputsParams(grammar=ebnf.replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS))
+    return StructuredOutputsParams(grammar=json_strings_fixed(ebnf))
