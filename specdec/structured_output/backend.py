@@ -20,6 +20,9 @@ CACHE_LIMIT_BYTES = 256 << 20
 # compiled grammars kept by constraint, at most this many and bytes (the compiler's cache may
 # have evicted them: this is on top of its bound)
 RECENT_GRAMMARS, RECENT_GRAMMARS_BYTES = 64, 64 << 20
+# JSON schemas with free whitespace: at most this many whitespace characters in a row (a
+# model that likes blank lines would otherwise spend its whole budget on them)
+MAX_WHITESPACE = 16
 
 _backends: dict[tuple, GrammarBackend] = {}
 _backends_lock = threading.Lock()
@@ -65,11 +68,14 @@ class GrammarBackend:
 
     def _compile(self, params: StructuredOutputsParams):
         kind = params.kind
+        if params.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern is not supported by the xgrammar backend "
+                             "(use disable_any_whitespace)")
         try:
             if kind == "json":
                 return self.compiler.compile_grammar(json_schema_ebnf(
                     params.json, any_whitespace=not params.disable_any_whitespace,
-                    strict_mode=params.disable_additional_properties))
+                    strict_mode=params.disable_additional_properties, max_whitespace_cnt=MAX_WHITESPACE))
             if kind == "json_object":  # any object, with the same whitespace control as a schema
                 return self.compiler.compile_json_schema('{"type": "object"}',
                                                          any_whitespace=not params.disable_any_whitespace)
@@ -96,8 +102,13 @@ def json_schema_ebnf(schema: str, **options) -> str:
     """A JSON schema's grammar as EBNF, with JSON's own string characters everywhere."""
     import xgrammar as xgr
 
-    text = str(xgr.Grammar.from_json_schema(schema, **options))
-    return text.replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS)
+    return json_strings_fixed(str(xgr.Grammar.from_json_schema(schema, **options)))
+
+
+def json_strings_fixed(ebnf: str) -> str:
+    """xgrammar EBNF made from JSON schemas (directly or inside structural tags), with the
+    bounded-string character class replaced by JSON's own."""
+    return ebnf.replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS)
 
 
 def choice_grammar(choices: list[str]) -> str:

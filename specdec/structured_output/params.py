@@ -3,8 +3,7 @@
 Exactly one constraint is set: ``json`` (a JSON schema as a dict, a JSON string or a pydantic
 model class), ``regex``, ``choice`` (a list of strings), ``grammar`` (EBNF / GBNF text, root rule
 ``root``; Lark syntax is refused with a hint) or ``json_object=True`` (any JSON object). The schema is normalised to a JSON
-string here, so the params are picklable and hashable for the compile cache. ``whitespace_pattern``
-(vLLM's name, honoured only by other grammar engines) is refused rather than ignored.
+string here, so the params are picklable and hashable for the compile cache.
 """
 from __future__ import annotations
 
@@ -43,9 +42,6 @@ class StructuredOutputsParams:
         if len(set_fields) != 1:
             raise ValueError("StructuredOutputsParams needs exactly one of json, regex, choice, grammar, "
                              f"json_object; got {set_fields or 'none'}")
-        if self.whitespace_pattern is not None:  # xgrammar has no such option: never ignore a constraint silently
-            raise ValueError("StructuredOutputsParams.whitespace_pattern is not supported; use "
-                             "disable_any_whitespace=True for compact JSON")
         text = self.spec_text
         if len(text) > MAX_SPEC_CHARS:
             raise ValueError(f"StructuredOutputsParams.{self.kind} is {len(text)} characters, over the limit "

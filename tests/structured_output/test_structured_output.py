@@ -145,7 +145,9 @@ def test_bad_constraints_are_clear_errors_and_disturb_nothing(llama_path, prompt
     llm = LLM(model=llama_path, **ENGINE)
     for params, field in [(StructuredOutputsParams(regex="(("), "structured_outputs.regex"),
                           (StructuredOutputsParams(json={"type": "foo"}), "structured_outputs.json"),
-                          (StructuredOutputsParams(grammar="root ::= "), "structured_outputs.grammar")]:
+                          (StructuredOutputsParams(grammar="root ::= "), "structured_outputs.grammar"),
+                          (StructuredOutputsParams(json=SCHEMA, whitespace_pattern=" ?"),
+                           "structured_outputs.whitespace_pattern")]:
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
             llm.generate([prompts[0]], SamplingParams(structured_outputs=params), use_tqdm=False)
     with pytest.raises(ValueError, match="exactly one"):
