@@ -221,6 +221,19 @@ def test_forced_token_bits_and_terminated_fill():
     assert s.forced_token(scratch) is None
 
 
+def test_dead_end_rows_get_eos():
+    from specdec.structured_output.grammar_state import end_dead_ends
+
+    bm = GrammarState.allocate(8, 96)
+    bm[[1, 4, 6]] = 0
+    rows = [0, 1, 4, 5, 6]  # two runs; row 2 (all allowed) and row 3 (not listed) stay
+    bm[3] = 0
+    end_dead_ends(bm, rows, [_state([0, 0, 0], 96, eos=(5, 63)) for _ in rows])
+    for r in (1, 4, 6):
+        assert unpack_row(bm[r], 96).nonzero().flatten().tolist() == [5, 63]
+    assert bm[3].eq(0).all() and bm[[0, 2, 5]].eq(-1).all()
+
+
 def _reference(logits, bitmask, rows):
     out = logits.clone()
     for r in rows:
