@@ -34,7 +34,7 @@ def add_parser(sub):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activation dtype")
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="repetitions (the median is reported)")
-    p.add_argument("--group-size", type=int, default=32, help="int4 group size along K")
+    p.add_argument("--group-size", type=int, default=128, help="int4 group size along K (32: GGUF Q4_0)")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run)
     return p
@@ -74,7 +74,8 @@ def candidate_kernels(group_size: int) -> dict:
     def ours(fmt):
         def prepare(w, dtype):
             q = quantize_int8(w, None) if fmt == "int8" else quantize_int4(w, group_size)
-            return (lambda x: woq_cpu.linear(x, q)), q.nbytes
+            kw = woq_cpu.KernelWeight.prepare(q)
+            return (lambda x: woq_cpu.linear(x, kw)), kw.nbytes_read
         return prepare
 
     kernels = {
@@ -84,8 +85,8 @@ def candidate_kernels(group_size: int) -> dict:
         "dequantize + F.linear (int4)": ("int4", dequant_reference("int4")),
     }
     if woq_cpu.available():
-        kernels["specdec woq int8 (AVX-512)"] = ("int8", ours("int8"))
-        kernels["specdec woq int4 (AVX-512)"] = ("int4", ours("int4"))
+        kernels["specdec woq int8 (VNNI)"] = ("int8", ours("int8"))
+        kernels["specdec woq int4 (VNNI)"] = ("int4", ours("int4"))
     kernels.update(_third_party(group_size))
     return kernels
 

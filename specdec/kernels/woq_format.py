@@ -1,4 +1,4 @@
-"""Weight-only quantized formats (int8, int4) and their pure-torch reference matmul.
+"""Quantized weight formats (int8, int4) and the reference of the linear computed with them.
 
 Both keep the weight in its ``[N, K]`` (out, in) orientation with scales per group of
 ``group_size`` consecutive inputs of one output row (``group_size == K``: per output channel):
@@ -10,7 +10,12 @@ Both keep the weight in its ``[N, K]`` (out, in) orientation with scales per gro
   its low nibble and input j + 16 in its high nibble. GGUF Q4_0 is this format with G = 32 and
   zeros 8; ``quantize_int4`` picks per-group min/max scales and zero points (asymmetric).
 
-``dequantize`` + ``F.linear`` is the reference every fast kernel is tested against.
+The linear (``reference_linear``, which every fast kernel is tested against) also quantises each
+row of activations to int8 on its own (symmetric, scale max|x| / 127, round half to even), as
+llama.cpp does for its Q4 / Q8 dot products: the integer products are what VNNI instructions
+multiply, and a row's quantisation depends on that row only, so a verification step over K + 1
+rows computes for each row exactly what a one-row decode step computes. The quantized model,
+activation rounding included, is the target that speculation is lossless with respect to.
 """
 from __future__ import annotations
 
@@ -37,7 +42,8 @@ class Int8Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.qweight.shape
-        w = self.qweight.float().view(n, -1, self.group_size) * self.scales[:, :, None]
+        exact = torch.float64 if dtype == torch.float64 else torch.float32
+        w = self.qweight.to(exact).view(n, -1, self.group_size) * self.scales.to(exact)[:, :, None]
         return w.view(n, k).to(dtype)
 
 
@@ -67,8 +73,9 @@ class Int4Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
-        q = self.unpacked().float().view(n, -1, self.group_size)
-        w = (q - self.zeros[:, :, None]) * self.scales[:, :, None]
+        exact = torch.float64 if dtype == torch.float64 else torch.float32
+        q = self.unpacked().to(exact).view(n, -1, self.group_size)
+        w = (q - self.zeros.to(exact)[:, :, None]) * self.scales.to(exact)[:, :, None]
         return w.view(n, k).to(dtype)
 
 
@@ -108,6 +115,19 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
     return Int4Weight(pack_nibbles(q.view(n, k)), scales.contiguous(), zeros.contiguous())
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] float32 integers in -127..127, scale [M, 1]); x ~ q * scale.
+    These float32 operations are the kernel's, so both round every value the same way."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(x * inv).clamp(-127, 127), amax / 127.0
+
+
 def reference_linear(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:
-    """The definition: float32 matmul with the dequantized weight, result in x's dtype."""
-    return F.linear(x.float(), weight.dequantize(torch.float32)).to(x.dtype)
+    """The definition: int8 activations (per row) times the dequantized weight, accumulated in
+    float64 (exact up to the final rounding), result in x's dtype. x: [..., K] -> [..., N]."""
+    rows = x.reshape(-1, x.shape[-1])
+    q, scale = quantize_activations(rows)
+    y = F.linear(q.double(), weight.dequantize(torch.float64)) * scale.double()
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])

@@ -4,9 +4,10 @@
   decode-sized matmul streams the weight at close to memory bandwidth (measured ~1.3-1.5x
   ``F.linear`` at 1-32 rows on the development machine).
 - ``WeightOnlyLinear`` (``"int8"``: symmetric per output channel; ``"int4"``: scale and zero
-  point per group of 128 inputs, LM head at int8): the weight stays quantized in memory and the
-  CPU kernel dequantises it in registers (``specdec.kernels.woq_cpu``), so a memory-bound step
-  reads a quarter (int8) or an eighth (int4) of float32's bytes. GGUF Q8_0 / Q4_0 tensors load
+  point per group of 128 inputs, LM head at int8): the weight stays quantized in memory, so a
+  memory-bound step reads about a quarter (int8) or an eighth (int4) of float32's bytes; the
+  activations are rounded to int8 per row on the fly and the CPU kernel multiplies integers
+  (``specdec.kernels.woq_cpu``). GGUF Q8_0 / Q4_0 tensors load
   straight into this layer (``specdec.models.gguf_quant``). The quantized weights *are* the
   target: speculation is lossless with respect to them.
 - ``DynamicInt8Linear`` (``"int8_dynamic"``): int8 weights (per-channel) and per-call int8
@@ -49,11 +50,12 @@ class PackedLinear(nn.Module):
 
 
 class WeightOnlyLinear(nn.Module):
-    """``x @ dequant(W).T + b`` for an ``Int8Weight`` / ``Int4Weight`` (``specdec.kernels.woq_format``).
+    """``x @ W.T + b`` for an ``Int8Weight`` / ``Int4Weight`` (``specdec.kernels.woq_format``), with the
+    activations quantised per row to int8 as ``reference_linear`` defines.
 
-    On CPU the AVX-512 kernel (``specdec.kernels.woq_cpu``) runs it in float32 arithmetic with the
-    weight dequantised in registers; elsewhere, or without the kernel, the reference
-    (dequantise, then ``F.linear``). The quantized tensors are buffers, so ``.to(device)`` moves them.
+    On CPU the AVX-512 VNNI kernel (``specdec.kernels.woq_cpu``) runs it; elsewhere, or without
+    the kernel, the pure-torch reference computes the same function. The quantized tensors are
+    buffers, so ``.to(device)`` moves them.
     """
 
     def __init__(self, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None, compute_dtype: torch.dtype):
@@ -61,6 +63,7 @@ class WeightOnlyLinear(nn.Module):
         self.out_features, self.in_features = weight_shape(weight)
         self.compute_dtype = compute_dtype
         self.int4 = isinstance(weight, Int4Weight)
+        prepared = woq_cpu.KernelWeight.prepare(weight)
         if self.int4:
             self.register_buffer("packed", weight.packed)
             self.register_buffer("zeros", weight.zeros)
@@ -68,6 +71,9 @@ class WeightOnlyLinear(nn.Module):
             self.register_buffer("weight_int8", weight.qweight)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("bias", bias)
+        self.register_buffer("kernel_init", prepared.init)
+        self.register_buffer("kernel_zeros", prepared.zeros)
+        self.kernel_supported = prepared.supported
 
     def quantized_weight(self) -> Int8Weight | Int4Weight:
         if self.int4:
@@ -78,10 +84,8 @@ class WeightOnlyLinear(nn.Module):
         return self.quantized_weight().dequantize(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu":
-            out = woq_cpu.linear(x, self.quantized_weight())
-        else:
-            out = F.linear(x, self.dequantized_weight().to(x.dtype))
+        kw = woq_cpu.KernelWeight(self.quantized_weight(), self.kernel_init, self.kernel_zeros, self.kernel_supported)
+        out = woq_cpu.linear(x, kw)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
@@ -104,11 +108,14 @@ def Int8Linear(linear: nn.Linear, group_size: int | None = None) -> WeightOnlyLi
 
 
 def Int4Linear(linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> WeightOnlyLinear:
-    """Weight-only int4 with a scale and zero point per ``group_size`` inputs; a layer whose
-    in_features the group size does not divide falls back to int8 per channel."""
-    if linear.in_features % group_size:
+    """Weight-only int4 with a scale and zero point per group of inputs: ``group_size``, or the
+    largest of its halves (down to 32) that divides in_features; int8 per channel if none does."""
+    group = group_size
+    while linear.in_features % group and group > 32:
+        group //= 2
+    if linear.in_features % group or group % 32:
         return Int8Linear(linear)
-    weight = quantize_int4(linear.weight, group_size)
+    weight = quantize_int4(linear.weight, group)
     return WeightOnlyLinear(weight, _bias(linear), linear.weight.dtype).to(linear.weight.device)
 
 
