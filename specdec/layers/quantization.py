@@ -70,7 +70,8 @@ class WeightOnlyLinear(nn.Module):
         else:
             self.register_buffer("weight_int8", weight.qweight)
         self.register_buffer("scales", weight.scales)
-        self.register_buffer("bias", bias)
+        # a parameter, as nn.Linear's: checkpoint loaders fill biases by parameter name
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.register_buffer("kernel_init", prepared.init)
         self.register_buffer("kernel_zeros", prepared.zeros)
         self.kernel_supported = prepared.supported
