@@ -12,13 +12,12 @@ meets the bar when it reaches 0.70 of the copy bandwidth at M=1 and its M=6 time
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import warnings
 
 import torch
 
-from specdec.bench.report import median
+from specdec.bench.report import median, result_header, run_benchmark
 from specdec.bench.roofline import measure_bandwidth
 
 SHAPES = ((1536, 1536), (256, 1536), (8960, 1536), (1536, 8960), (4096, 4096))  # (N, K): Qwen2.5-1.5B, 4096^2
@@ -165,42 +164,41 @@ def measure(args) -> dict:
                     reps = None
                     results.append({"kernel": name, "format": fmt, "n": n, "k": k, "error": str(e).splitlines()[0]})
                     break
-                reps.append({m: t["weight_bytes"] / s / copy_bw for m, s in t["seconds"].items()}
+                reps.append({str(m): t["weight_bytes"] / s / copy_bw for m, s in t["seconds"].items()}
                             | {f"t{m}/t1": s / t["seconds"][rows[0]] for m, s in t["seconds"].items()}
                             | {"copy_gbs": copy_bw / 1e9})
             if reps:
                 row = {"kernel": name, "format": fmt, "n": n, "k": k,
-                       "ratio": {m: median(r[m] for r in reps) for m in rows},
-                       "time_vs_m1": {m: median(r[f"t{m}/t1"] for r in reps) for m in rows},
+                       "ratio": {str(m): median(r[str(m)] for r in reps) for m in rows},
+                       "time_vs_m1": {str(m): median(r[f"t{m}/t1"] for r in reps) for m in rows},
                        "copy_gbs": median(r["copy_gbs"] for r in reps)}
                 results.append(row)
                 print(render_row(row, rows), flush=True)
-    return {"rows": rows, "dtype": args.dtype, "num_threads": args.num_threads, "group_size": args.group_size,
-            "results": results}
+    copy_gbs = median(r["copy_gbs"] for r in results if "copy_gbs" in r) if results else None
+    return result_header(args, "quant_kernels", copy_gbs * 1e9 if copy_gbs else None) | {
+        "rows": rows, "dtype": args.dtype, "num_threads": args.num_threads, "group_size": args.group_size,
+        "repeats": args.repeats, "results": results}
 
 
 def render_row(r: dict, rows) -> str:
     if "error" in r:
         return f"| {r['kernel']} | {r['n']}x{r['k']} | error: {r['error'][:80]} |"
-    ratios = " | ".join(f"{r['ratio'][m]:.2f}" for m in rows)
-    meets = r["ratio"][rows[0]] >= 0.70 and r["time_vs_m1"].get(6, 1.0) <= 1.3
-    return (f"| {r['kernel']} | {r['n']}x{r['k']} | {ratios} | {r['time_vs_m1'].get(6, float('nan')):.2f} | "
+    ratios = " | ".join(f"{r['ratio'][str(m)]:.2f}" for m in rows)
+    t6 = r["time_vs_m1"].get("6", float("nan"))
+    meets = r["ratio"][str(rows[0])] >= 0.70 and t6 <= 1.3
+    return (f"| {r['kernel']} | {r['n']}x{r['k']} | {ratios} | {t6:.2f} | "
             f"{r['copy_gbs']:.1f} | {'yes' if meets else 'no'} |")
 
 
 def render(data: dict) -> str:
     rows = data["rows"]
-    head = ("| kernel | NxK | " + " | ".join(f"M={m}" for m in rows) + " | t(M=6)/t(M=1) | copy GB/s | meets bar |\n"
+    note = (f"Effective GB/s (weight bytes streamed / time) over the single-thread copy GB/s measured just "
+            f"before, activations {data['dtype']}, {data['num_threads']} thread(s), int4 group "
+            f"{data['group_size']}, median of {data.get('repeats', 3)}; bar: >= 0.70 at M=1 and t(M=6) <= 1.3 t(M=1).\n\n")
+    head = note + ("| kernel | NxK | " + " | ".join(f"M={m}" for m in rows) + " | t(M=6)/t(M=1) | copy GB/s | meets bar |\n"
             + "|---" * (len(rows) + 5) + "|")
     return "\n".join([head] + [render_row(r, rows) for r in data["results"]])
 
 
 def run(args: argparse.Namespace) -> int:
-    data = measure(args)
-    print(f"\neffective GB/s over copy GB/s, activations {data['dtype']}, {data['num_threads']} thread(s), "
-          f"int4 group {data['group_size']}, median of {args.repeats}")
-    print(render(data))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(data, f, indent=1)
-    return 0
+    return run_benchmark(args, measure, render)

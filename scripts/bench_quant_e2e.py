@@ -1,0 +1,73 @@
+"""Float32 vs int8 vs int4 weights end to end: ``specdec bench latency`` single thread, the three
+weight formats alternating round by round (each run its own process, its own bandwidth copies),
+for the embedded default pair (plain and speculative) and a plain Qwen2.5-Coder-0.5B-Instruct.
+
+    python scripts/bench_quant_e2e.py --rounds 3 --out bench_results/quant_e2e
+
+Prints one markdown table: decode tokens/s (median over rounds), weight bytes read per token,
+the fraction of the bandwidth roofline each reached, and the ratio to float32 of the same round.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+TARGETS = {"default pair": [], "Qwen2.5-Coder-0.5B-Instruct": ["--model", "Qwen2.5-Coder-0.5B-Instruct"]}
+FORMATS = {"float32": [], "int8": ["--quantization", "int8"], "int4": ["--quantization", "int4"]}
+
+
+def run_once(target: str, fmt: str, path: Path, args) -> dict:
+    cmd = [sys.executable, "-m", "specdec.cli", "bench", "latency", "--num-threads", "1", "--dtype", "float32",
+           "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--num-iters", "1",
+           "--prompts", "code", *TARGETS[target], *FORMATS[fmt], "--output-json", str(path)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(path.read_text())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--out", default="bench_results/quant_e2e")
+    p.add_argument("--targets", default=",".join(TARGETS))
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[tuple[str, str], list[dict]] = {}
+    for r in range(args.rounds):
+        for target in args.targets.split(","):
+            for fmt in FORMATS:
+                name = f"{target.split()[0].lower()}_{fmt}_r{r}.json"
+                results.setdefault((target, fmt), []).append(run_once(target, fmt, out / name, args))
+                print(f"round {r} {target} {fmt} done", file=sys.stderr, flush=True)
+    print(render(results, args.rounds))
+    return 0
+
+
+def render(results: dict, rounds: int) -> str:
+    lines = ["| target | weights | plain decode tok/s | vs float32 (same round) | weight MB read / token | "
+             "plain / roofline | speculative tok/s | spec. vs float32 plain | copy GB/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (target, fmt), runs in results.items():
+        base = results[(target, "float32")]
+        plain = [r["baseline"]["decode_tokens_per_s"] for r in runs]
+        ratio = [p / b["baseline"]["decode_tokens_per_s"] for p, b in zip(plain, base)]
+        spec = [r["speculative"]["decode_tokens_per_s"] for r in runs if r.get("speculative")]
+        spec_ratio = [r["speculative"]["decode_tokens_per_s"] / b["baseline"]["decode_tokens_per_s"]
+                      for r, b in zip(runs, base) if r.get("speculative")]
+        med = statistics.median
+        lines.append(
+            f"| {target} | {fmt} | {med(plain):.1f} | {med(ratio):.2f}x | "
+            f"{runs[0]['roofline']['weight_bytes_per_step'] / 1e6:.0f} | {med(r['roofline_fraction'] for r in runs):.2f} | "
+            f"{f'{med(spec):.1f}' if spec else '-'} | {f'{med(spec_ratio):.2f}x' if spec else '-'} | "
+            f"{med(r['roofline']['bandwidth_gb_per_s'] for r in runs):.1f} |")
+    return "\n".join(lines) + f"\n(median of {rounds} rounds)"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
