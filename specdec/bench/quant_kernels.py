@@ -73,8 +73,7 @@ def candidate_kernels(group_size: int) -> dict:
     def ours(fmt):
         def prepare(w, dtype):
             q = quantize_int8(w, None) if fmt == "int8" else quantize_int4(w, group_size)
-            kw = woq_cpu.KernelWeight.prepare(q)
-            return (lambda x: woq_cpu.linear(x, kw)), kw.nbytes_read
+            return (lambda x: woq_cpu.linear(x, q)), q.nbytes
         return prepare
 
     kernels = {
@@ -84,8 +83,8 @@ def candidate_kernels(group_size: int) -> dict:
         "dequantize + F.linear (int4)": ("int4", dequant_reference("int4")),
     }
     if woq_cpu.available():
-        kernels["specdec woq int8 (VNNI)"] = ("int8", ours("int8"))
-        kernels["specdec woq int4 (VNNI)"] = ("int4", ours("int4"))
+        kernels["specdec woq int8 (AVX-512)"] = ("int8", ours("int8"))
+        kernels["specdec woq int4 (AVX-512)"] = ("int4", ours("int4"))
     kernels.update(_third_party(group_size))
     return kernels
 

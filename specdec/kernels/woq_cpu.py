@@ -1,17 +1,16 @@
-"""The AVX-512 VNNI int8 / int4 CPU kernel (``csrc/woq_linear.cpp``), built on first use.
+"""The AVX-512 int8 / int4 weight-only CPU kernel (``csrc/woq_linear.cpp``), built on first use.
 
 ``torch.utils.cpp_extension.load`` compiles it once per torch version into
 ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/specdec/torch_extensions`` (about a minute with gcc);
-nothing is built at install time. Where it cannot run (no AVX-512 VNNI, no compiler, a failed
+nothing is built at install time. Where it cannot run (no AVX-512, no compiler, a failed
 build, ``SPECDEC_DISABLE_WOQ_KERNEL=1``) ``available()`` is False after one warning and
-``linear`` computes the same function with ``woq_format.reference_linear`` (slowly).
+``linear`` runs ``woq_format.reference_linear`` (dequantize, then ``F.linear``: slower).
 """
 from __future__ import annotations
 
 import functools
 import os
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,8 +18,8 @@ import torch
 from specdec.kernels.woq_format import Int4Weight, Int8Weight, reference_linear
 
 _SOURCE = Path(__file__).parent / "csrc" / "woq_linear.cpp"
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma"]
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 
 
 def _cpu_flags() -> set[str]:
@@ -67,42 +66,19 @@ def available() -> bool:
     return extension() is not None
 
 
-@dataclass
-class KernelWeight:
-    """What the kernel reads besides the format's tensors, computed once at load."""
-    weight: Int8Weight | Int4Weight
-    init: torch.Tensor  # [N, K // G] int32: -128 * sum of each group's signed weights
-    zeros: torch.Tensor  # [N, K // G] uint8 int4 zero points (empty for int8)
-    supported: bool  # the kernel takes this shape (else the reference runs)
-
-    @classmethod
-    def prepare(cls, weight: Int8Weight | Int4Weight) -> "KernelWeight":
-        n, k = weight.shape if isinstance(weight, Int4Weight) else weight.qweight.shape
-        g = weight.group_size
-        if isinstance(weight, Int4Weight):
-            signed = weight.unpacked().to(torch.int32).view(n, k // g, g) - weight.zeros.to(torch.int32)[:, :, None]
-            zeros = weight.zeros.to(torch.uint8).contiguous()
-        else:
-            signed = weight.qweight.to(torch.int32).view(n, k // g, g)
-            zeros = torch.zeros(0, dtype=torch.uint8)
-        init = (-128 * signed.sum(dim=-1)).to(torch.int32).contiguous()
-        supported = k % 64 == 0 and (g == 32 or g % 64 == 0) and n % 2 == 0
-        return cls(weight, init, zeros, supported)
-
-    @property
-    def nbytes_read(self) -> int:
-        """Bytes one call streams: the integers, the scales, the group sums and zero points."""
-        w = self.weight
-        data = w.packed if isinstance(w, Int4Weight) else w.qweight
-        zeros = self.zeros.numel() if isinstance(w, Int4Weight) else 0
-        return data.numel() + 4 * w.scales.numel() + 4 * self.init.numel() + zeros
+def supports(weight: Int8Weight | Int4Weight) -> bool:
+    """Whether the kernel takes this weight's layout (int8: K and the group a multiple of 16;
+    int4: the group a multiple of 32)."""
+    if isinstance(weight, Int8Weight):
+        return weight.qweight.shape[1] % 16 == 0 and weight.group_size % 16 == 0
+    return weight.group_size % 32 == 0
 
 
-def linear(x: torch.Tensor, kw: KernelWeight) -> torch.Tensor:
-    """``reference_linear(x, kw.weight)`` in x's dtype. x: [..., K] -> [..., N]."""
-    ops = extension() if kw.supported and x.device.type == "cpu" else None
+def linear(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:
+    """``x @ dequant(weight).T`` in float32 arithmetic, result in x's dtype. x: [..., K] -> [..., N]."""
+    ops = extension() if x.device.type == "cpu" and supports(weight) else None
     if ops is None:
-        return reference_linear(x, kw.weight)
-    w = kw.weight
-    data = w.packed if isinstance(w, Int4Weight) else w.qweight
-    return ops.linear(x, data, w.scales, kw.init, kw.zeros, x.shape[-1])
+        return reference_linear(x, weight)
+    if isinstance(weight, Int8Weight):
+        return ops.int8_linear(x, weight.qweight, weight.scales)
+    return ops.int4_linear(x, weight.packed, weight.scales, weight.zeros)

@@ -10,12 +10,11 @@ Both keep the weight in its ``[N, K]`` (out, in) orientation with scales per gro
   its low nibble and input j + 16 in its high nibble. GGUF Q4_0 is this format with G = 32 and
   zeros 8; ``quantize_int4`` picks per-group min/max scales and zero points (asymmetric).
 
-The linear (``reference_linear``, which every fast kernel is tested against) also quantises each
-row of activations to int8 on its own (symmetric, scale max|x| / 127, round half to even), as
-llama.cpp does for its Q4 / Q8 dot products: the integer products are what VNNI instructions
-multiply, and a row's quantisation depends on that row only, so a verification step over K + 1
-rows computes for each row exactly what a one-row decode step computes. The quantized model,
-activation rounding included, is the target that speculation is lossless with respect to.
+``reference_linear`` (dequantize, then ``F.linear`` in float32) is the definition every fast
+kernel is tested against: weight-only, the activations stay exact. (Rounding them to int8 too, as
+llama.cpp's dot products do, makes a layer a step function of its input, so the last-ulp
+differences between a K+1-row verification and a one-row decode elsewhere in the model would flip
+roundings and greedy speculation would drift from greedy decoding.)
 """
 from __future__ import annotations
 
@@ -115,19 +114,6 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
     return Int4Weight(pack_nibbles(q.view(n, k)), scales.contiguous(), zeros.contiguous())
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K] float32 integers in -127..127, scale [M, 1]); x ~ q * scale.
-    These float32 operations are the kernel's, so both round every value the same way."""
-    x = x.float()
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return torch.round(x * inv).clamp(-127, 127), amax / 127.0
-
-
 def reference_linear(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:
-    """The definition: int8 activations (per row) times the dequantized weight, accumulated in
-    float64 (exact up to the final rounding), result in x's dtype. x: [..., K] -> [..., N]."""
-    rows = x.reshape(-1, x.shape[-1])
-    q, scale = quantize_activations(rows)
-    y = F.linear(q.double(), weight.dequantize(torch.float64)) * scale.double()
-    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+    """The definition: float32 matmul with the dequantized weight, result in x's dtype."""
+    return F.linear(x.float(), weight.dequantize(torch.float32)).to(x.dtype)

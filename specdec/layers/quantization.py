@@ -5,9 +5,8 @@
   ``F.linear`` at 1-32 rows on the development machine).
 - ``WeightOnlyLinear`` (``"int8"``: symmetric per output channel; ``"int4"``: scale and zero
   point per group of 128 inputs, LM head at int8): the weight stays quantized in memory, so a
-  memory-bound step reads about a quarter (int8) or an eighth (int4) of float32's bytes; the
-  activations are rounded to int8 per row on the fly and the CPU kernel multiplies integers
-  (``specdec.kernels.woq_cpu``). GGUF Q8_0 / Q4_0 tensors load
+  memory-bound step reads about a quarter (int8) or an eighth (int4) of float32's bytes; the CPU
+  kernel dequantises it in registers and multiplies in float32 (``specdec.kernels.woq_cpu``). GGUF Q8_0 / Q4_0 tensors load
   straight into this layer (``specdec.models.gguf_quant``). The quantized weights *are* the
   target: speculation is lossless with respect to them.
 - ``DynamicInt8Linear`` (``"int8_dynamic"``): int8 weights (per-channel) and per-call int8
@@ -50,12 +49,11 @@ class PackedLinear(nn.Module):
 
 
 class WeightOnlyLinear(nn.Module):
-    """``x @ W.T + b`` for an ``Int8Weight`` / ``Int4Weight`` (``specdec.kernels.woq_format``), with the
-    activations quantised per row to int8 as ``reference_linear`` defines.
+    """``x @ dequant(W).T + b`` for an ``Int8Weight`` / ``Int4Weight`` (``specdec.kernels.woq_format``).
 
-    On CPU the AVX-512 VNNI kernel (``specdec.kernels.woq_cpu``) runs it; elsewhere, or without
-    the kernel, the pure-torch reference computes the same function. The quantized tensors are
-    buffers, so ``.to(device)`` moves them.
+    On CPU the AVX-512 kernel (``specdec.kernels.woq_cpu``) runs it in float32 arithmetic with the
+    weight dequantised in registers; elsewhere, or without the kernel, the reference (dequantise,
+    then ``F.linear``). The quantized tensors are buffers, so ``.to(device)`` moves them.
     """
 
     def __init__(self, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None, compute_dtype: torch.dtype):
@@ -63,7 +61,6 @@ class WeightOnlyLinear(nn.Module):
         self.out_features, self.in_features = weight_shape(weight)
         self.compute_dtype = compute_dtype
         self.int4 = isinstance(weight, Int4Weight)
-        prepared = woq_cpu.KernelWeight.prepare(weight)
         if self.int4:
             self.register_buffer("packed", weight.packed)
             self.register_buffer("zeros", weight.zeros)
@@ -72,9 +69,6 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("scales", weight.scales)
         # a parameter, as nn.Linear's: checkpoint loaders fill biases by parameter name
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.register_buffer("kernel_init", prepared.init)
-        self.register_buffer("kernel_zeros", prepared.zeros)
-        self.kernel_supported = prepared.supported
 
     def quantized_weight(self) -> Int8Weight | Int4Weight:
         if self.int4:
@@ -85,8 +79,10 @@ class WeightOnlyLinear(nn.Module):
         return self.quantized_weight().dequantize(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kw = woq_cpu.KernelWeight(self.quantized_weight(), self.kernel_init, self.kernel_zeros, self.kernel_supported)
-        out = woq_cpu.linear(x, kw)
+        if x.device.type == "cpu":
+            out = woq_cpu.linear(x, self.quantized_weight())
+        else:
+            out = F.linear(x, self.dequantized_weight().to(x.dtype))
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

@@ -9,7 +9,7 @@ from specdec.bench import quant_kernels
 def test_a_tiny_survey_times_each_kernel_against_the_copy_bandwidth(monkeypatch):
     monkeypatch.setattr(quant_kernels, "CACHE_BYTES", 1 << 20)
     monkeypatch.setattr(quant_kernels, "measure_bandwidth", lambda *a, **k: 1e10)
-    names = ["specdec woq int4 (VNNI)", "torch._weight_int8pack_mm", "dequantize + F.linear (int4)"]
+    names = ["specdec woq int4 (AVX-512)", "torch._weight_int8pack_mm", "dequantize + F.linear (int4)"]
     names = [n for n in names if n in quant_kernels.candidate_kernels(32)]
     args = argparse.Namespace(bench_command="quant-kernels", kernels=",".join(names), shapes="64x128", rows="1,6", dtype="float32",
                               num_threads=torch.get_num_threads(), repeats=1, group_size=32, output_json=None)

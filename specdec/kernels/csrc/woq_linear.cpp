@@ -1,192 +1,186 @@
-// int8 / int4 weight linear for x86 CPUs with AVX-512 VNNI: y[M, N] = x[M, K] @ W[N, K]^T.
+// Weight-only int8 / int4 linear for x86 CPUs with AVX-512: y[M, N] = x[M, K] @ dequant(W)[N, K]^T.
 //
-// The function computed is specdec/kernels/woq_format.py's ``reference_linear``: each row of x is
-// quantised to int8 on its own (symmetric, scale max|x| / 127, round half to even), the integer
-// dot products of each weight group are exact (VNNI ``vpdpbusd``: u8 activations = q + 128 times
-// s8 weights, the +128 taken back by a per-group weight sum folded into the accumulator's start
-// value), and each group's integer sum is scaled in float32. A row's result never depends on the
-// other rows of the call, so row i of an M-row call equals the 1-row call bit for bit.
-//
-// Layout per chunk of 64 inputs: int8 weights in input order; int4 weights in Q4_0 nibble order
-// (16 bytes per block of 32: low nibble = input j, high = input j + 16), unpacked as
-// [0-15, 32-47, 16-31, 48-63], so the int4 kernel reads its activations permuted the same way.
+// The weight is dequantised in registers (int -> fp32, times the group scale, plus the int4 zero
+// term) and multiplied with float32 FMAs; activations stay float32 (bf16 input is widened once),
+// so the result is float32 math on the dequantised weight, as woq_format.reference_linear.
+// Quantising the activations too (VNNI) was faster past one row but made the layer a step
+// function of its input: the last-ulp differences other operators show between a K+1-row
+// verification and a one-row decode then flip int8 roundings and greedy speculation drifts.
+// Each (row, output) dot product runs the same instruction sequence whatever M is and whichever
+// rows share its tile, so row i of an M-row call equals the 1-row call bit for bit. Parallel over
+// blocks of outputs (at::parallel_for); software prefetch keeps the weight stream ahead of the tile.
 #include <immintrin.h>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 namespace {
 
-#ifndef WOQ_NB
-#define WOQ_NB 2
-#define WOQ_MB 4
-#define WOQ_PREFETCH 2048
-#endif
-constexpr int kNB = WOQ_NB;  // outputs per block
-constexpr int kMB = WOQ_MB;  // rows per tile: kNB * kMB integer and float accumulators in registers
+constexpr int kNB = 4;  // outputs per block: independent FMA chains at M = 1
+constexpr int kMB = 4;  // rows per tile: kNB * kMB accumulators stay in registers
+constexpr int kPrefetch = 2048;  // bytes ahead in each weight row
 
-struct Args {
-  const uint8_t* xq;  // [M, K] activations + 128 (int4: permuted per 64)
-  const float* xs;    // [M] activation scales
-  const void* w;      // int8 [N, K] or uint8 [N, K / 2]
-  const float* ws;    // [N, K / G] weight scales
-  const int32_t* init;  // [N, K / G] -128 * sum of the group's signed weights
-  const uint8_t* wz;  // [N, K / G] int4 zero points (unused for int8)
-  int64_t K, G;
-  float* y;
-  int64_t N;
-};
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kPrefetch, _MM_HINT_T0); }
 
-// The 64 signed weights of output n at chunk k: int8 as stored; int4 unpacked minus zero points.
-template <bool INT4, bool SPLIT>
-inline __m512i load_weights(const Args& a, int64_t n, int64_t k, int64_t g) {
-  if (!INT4) return _mm512_loadu_si512(static_cast<const int8_t*>(a.w) + n * a.K + k);
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint8_t*>(a.w) + n * (a.K / 2) + k / 2));
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low4)),
-                                       _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), 1);
-  const int64_t ng = a.K / a.G;
-  const uint8_t* z = a.wz + n * ng + g;
-  __m512i zv = _mm512_set1_epi8(static_cast<char>(z[0]));
-  if (SPLIT) zv = _mm512_mask_blend_epi8(0xFFFF0000FFFF0000ULL, zv, _mm512_set1_epi8(static_cast<char>(z[1])));
-  return _mm512_sub_epi8(q, zv);
+inline __m512 load_int8x16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// Group a of a split chunk (G == 32) owns int8 lanes 0-7 / int4 lanes 0-3 and 8-11.
-template <bool INT4>
-constexpr __mmask16 kGroupB = INT4 ? 0xF0F0 : 0xFF00;
-template <bool INT4>
-constexpr int kGroupBLane = INT4 ? 4 : 8;
-
-template <bool INT4, bool SPLIT, int MB>
-void tile(const Args& a, int64_t n0, int64_t m0) {
-  const int64_t K = a.K, G = a.G, ng = K / G;
-  const int64_t chunks_per_group = SPLIT ? 1 : G / 64;
-  __m512 facc[kNB][MB];
-  for (int n = 0; n < kNB; ++n)
-    for (int m = 0; m < MB; ++m) facc[n][m] = _mm512_setzero_ps();
-  for (int64_t k0 = 0, g = 0; k0 < K; k0 += 64 * chunks_per_group, g += SPLIT ? 2 : 1) {
-    __m512i start[kNB];
-    __m512 scale[kNB];
-    for (int n = 0; n < kNB; ++n) {
-      const int32_t* init = a.init + (n0 + n) * ng + g;
-      const float* ws = a.ws + (n0 + n) * ng + g;
-      start[n] = _mm512_maskz_set1_epi32(1, init[0]);
-      scale[n] = _mm512_set1_ps(ws[0]);
-      if (SPLIT) {
-        start[n] = _mm512_mask_set1_epi32(start[n], 1 << kGroupBLane<INT4>, init[1]);
-        scale[n] = _mm512_mask_blend_ps(kGroupB<INT4>, scale[n], _mm512_set1_ps(ws[1]));
-      }
-    }
-    __m512i iacc[kNB][MB];
-    for (int n = 0; n < kNB; ++n)
-      for (int m = 0; m < MB; ++m) iacc[n][m] = start[n];
-    for (int64_t c = 0; c < chunks_per_group; ++c) {
-      const int64_t k = k0 + 64 * c;
-      __m512i w[kNB];
-      for (int n = 0; n < kNB; ++n) {
-        // the hardware prefetcher alone leaves a memory-bound stream idle while the tile computes
-        const uint8_t* row = static_cast<const uint8_t*>(a.w) + (n0 + n) * (INT4 ? K / 2 : K) + (INT4 ? k / 2 : k);
-        _mm_prefetch(reinterpret_cast<const char*>(row + WOQ_PREFETCH), _MM_HINT_T0);
-        w[n] = load_weights<INT4, SPLIT>(a, n0 + n, k, g);
+// int8, one scale per group of G inputs (G % 16 == 0). Per-channel (G == K) scales once at the end.
+template <int NB, int MB>
+void int8_tile(const float* x, int64_t ldx, const int8_t* w, const float* scales, int64_t K, int64_t G,
+               float* y, int64_t ldy) {
+  __m512 acc[NB][MB];
+  for (int n = 0; n < NB; ++n)
+    for (int m = 0; m < MB; ++m) acc[n][m] = _mm512_setzero_ps();
+  const int64_t num_groups = K / G;
+  const bool per_channel = num_groups == 1;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    __m512 s[NB];
+    for (int n = 0; n < NB; ++n) s[n] = _mm512_set1_ps(per_channel ? 1.0f : scales[n * num_groups + g]);
+    for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+      __m512 wv[NB];
+      for (int n = 0; n < NB; ++n) {
+        if (k % 64 == 0) prefetch(w + n * K + k);
+        wv[n] = load_int8x16(w + n * K + k);
+        if (!per_channel) wv[n] = _mm512_mul_ps(wv[n], s[n]);
       }
       for (int m = 0; m < MB; ++m) {
-        const __m512i x = _mm512_loadu_si512(a.xq + (m0 + m) * K + k);
-        for (int n = 0; n < kNB; ++n) iacc[n][m] = _mm512_dpbusd_epi32(iacc[n][m], x, w[n]);
+        const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
+        for (int n = 0; n < NB; ++n) acc[n][m] = _mm512_fmadd_ps(wv[n], xv, acc[n][m]);
       }
     }
-    for (int n = 0; n < kNB; ++n)
-      for (int m = 0; m < MB; ++m) facc[n][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[n][m]), scale[n], facc[n][m]);
   }
-  for (int n = 0; n < kNB; ++n)
-    for (int m = 0; m < MB; ++m) a.y[(m0 + m) * a.N + n0 + n] = a.xs[m0 + m] * _mm512_reduce_add_ps(facc[n][m]);
+  for (int n = 0; n < NB; ++n)
+    for (int m = 0; m < MB; ++m) {
+      const float dot = _mm512_reduce_add_ps(acc[n][m]);
+      y[m * ldy + n] = per_channel ? dot * scales[n] : dot;
+    }
 }
 
-// The remainder tile of `rem` < kMB rows, dispatched to its compile-time size.
-template <bool INT4, bool SPLIT, int R>
-void tail(const Args& a, int64_t n0, int64_t m0, int64_t rem) {
-  if constexpr (R > 0) {
-    if (rem == R) tile<INT4, SPLIT, R>(a, n0, m0);
-    else tail<INT4, SPLIT, R - 1>(a, n0, m0, rem);
+// int4 in Q4_0 nibble order: per 32 inputs, 16 bytes, low nibble = input j, high = input j + 16.
+// w = q * s + (-z * s): one FMA dequantises 16 weights for all rows of the tile.
+template <int NB, int MB>
+void int4_tile(const float* x, int64_t ldx, const uint8_t* w, const float* scales, const float* zeros, int64_t K,
+               int64_t G, float* y, int64_t ldy) {
+  __m512 acc[NB][MB], acc_hi[NB][MB];  // two chains per dot product: inputs j and j + 16 of each block
+  for (int n = 0; n < NB; ++n)
+    for (int m = 0; m < MB; ++m) acc[n][m] = acc_hi[n][m] = _mm512_setzero_ps();
+  const int64_t num_groups = K / G;
+  const __m512i low4 = _mm512_set1_epi32(0xF);
+  for (int64_t g = 0; g < num_groups; ++g) {
+    __m512 s[NB], zs[NB];
+    for (int n = 0; n < NB; ++n) {
+      s[n] = _mm512_set1_ps(scales[n * num_groups + g]);
+      zs[n] = _mm512_set1_ps(-zeros[n * num_groups + g] * scales[n * num_groups + g]);
+    }
+    for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+      __m512 lo[NB], hi[NB];
+      for (int n = 0; n < NB; ++n) {
+        if (k % 128 == 0) prefetch(w + n * (K / 2) + k / 2);
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * (K / 2) + k / 2)));
+        lo[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low4)), s[n], zs[n]);
+        hi[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s[n], zs[n]);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m512 x0 = _mm512_loadu_ps(x + m * ldx + k);
+        const __m512 x1 = _mm512_loadu_ps(x + m * ldx + k + 16);
+        for (int n = 0; n < NB; ++n) {
+          acc[n][m] = _mm512_fmadd_ps(lo[n], x0, acc[n][m]);
+          acc_hi[n][m] = _mm512_fmadd_ps(hi[n], x1, acc_hi[n][m]);
+        }
+      }
+    }
+  }
+  for (int n = 0; n < NB; ++n)
+    for (int m = 0; m < MB; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[n][m], acc_hi[n][m]));
+}
+
+// Dispatch a runtime (nb, mb) to the template instance; tiles are at most kNB x kMB.
+template <int NB, typename F>
+void rows_loop(int64_t M, F&& tile) {
+  int64_t m = 0;
+  for (; m + kMB <= M; m += kMB) tile(std::integral_constant<int, NB>{}, std::integral_constant<int, kMB>{}, m);
+  switch (M - m) {
+    case 1: tile(std::integral_constant<int, NB>{}, std::integral_constant<int, 1>{}, m); break;
+    case 2: tile(std::integral_constant<int, NB>{}, std::integral_constant<int, 2>{}, m); break;
+    case 3: tile(std::integral_constant<int, NB>{}, std::integral_constant<int, 3>{}, m); break;
+    default: break;
   }
 }
 
-template <bool INT4, bool SPLIT>
-void run(const Args& a, int64_t M) {
-  // N is a multiple of kNB (checked); rows go in tiles of kMB, then the remainder
-  at::parallel_for(0, a.N / kNB, 1, [&](int64_t begin, int64_t end) {
+template <int MaxNB, typename F>
+void blocks_loop(int64_t M, int64_t N, F&& tile) {
+  const int64_t num_blocks = (N + MaxNB - 1) / MaxNB;
+  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      int64_t m = 0;
-      for (; m + kMB <= M; m += kMB) tile<INT4, SPLIT, kMB>(a, b * kNB, m);
-      tail<INT4, SPLIT, kMB - 1>(a, b * kNB, m, M - m);
+      const int64_t n0 = b * MaxNB;
+      switch (std::min<int64_t>(MaxNB, N - n0)) {
+        case 4: rows_loop<4>(M, [&](auto nb, auto mb, int64_t m0) { tile(nb, mb, n0, m0); }); break;
+        case 3: rows_loop<3>(M, [&](auto nb, auto mb, int64_t m0) { tile(nb, mb, n0, m0); }); break;
+        case 2: rows_loop<2>(M, [&](auto nb, auto mb, int64_t m0) { tile(nb, mb, n0, m0); }); break;
+        default: rows_loop<1>(M, [&](auto nb, auto mb, int64_t m0) { tile(nb, mb, n0, m0); }); break;
+      }
     }
   });
 }
 
-// Row-wise int8 quantisation, the same float operations as woq_format.quantize_activations
-// (max is exact in any order; cvtps_epi32 rounds half to even, as torch.round). K % 64 == 0.
-void quantize_rows(const float* x, int64_t M, int64_t K, bool permute, uint8_t* xq, float* xs) {
-  static constexpr int kInt4Order[4] = {0, 2, 1, 3};  // where each 16 of a chunk of 64 goes
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * K;
-    __m512 vmax = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
-    const float amax = _mm512_reduce_max_ps(vmax);
-    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    xs[m] = amax / 127.0f;
-    uint8_t* out = xq + m * K;
-    for (int64_t k = 0; k < K; k += 16) {
-      __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + k), inv));
-      q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127)),
-                           _mm512_set1_epi32(128));
-      const int64_t dst = permute ? k - k % 64 + 16 * kInt4Order[(k % 64) / 16] : k;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + dst), _mm512_cvtepi32_epi8(q));
-    }
-  }
+at::Tensor as_float_rows(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.size(-1) == K, "woq linear: x has ", x.size(-1), " inputs, the weight ", K);
+  return x.reshape({-1, K}).to(at::kFloat).contiguous();
 }
 
-}  // namespace
-
-at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                      const at::Tensor& init, const at::Tensor& zeros, int64_t K) {
-  const bool int4 = weight.scalar_type() == at::kByte;
-  TORCH_CHECK(weight.is_contiguous() && (int4 || weight.scalar_type() == at::kChar), "woq: int8 / uint8 weight");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && init.scalar_type() == at::kInt &&
-              init.is_contiguous() && init.sizes() == scales.sizes(), "woq: float32 scales, int32 group sums");
-  TORCH_CHECK(!int4 || (zeros.scalar_type() == at::kByte && zeros.sizes() == scales.sizes() && zeros.is_contiguous()),
-              "woq: uint8 zero points for int4");
-  const int64_t N = weight.size(0), G = K / scales.size(1);
-  TORCH_CHECK(K % 64 == 0 && scales.size(1) * G == K && (G == 32 || G % 64 == 0) && N % kNB == 0,
-              "woq: K a multiple of 64, group size 32 or a multiple of 64, N a multiple of ", kNB);
-  TORCH_CHECK(x.size(-1) == K, "woq: x has ", x.size(-1), " inputs, the weight ", K);
-  const at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0);
-  at::Tensor xq = at::empty({M, K}, xf.options().dtype(at::kByte));
-  at::Tensor xs = at::empty({M}, xf.options());
-  quantize_rows(xf.data_ptr<float>(), M, K, int4, xq.data_ptr<uint8_t>(), xs.data_ptr<float>());
-  at::Tensor y = at::empty({M, N}, xf.options());
-  const Args a{xq.data_ptr<uint8_t>(), xs.data_ptr<float>(), weight.data_ptr(), scales.data_ptr<float>(),
-               init.data_ptr<int32_t>(), int4 ? zeros.data_ptr<uint8_t>() : nullptr, K, G, y.data_ptr<float>(), N};
-  if (int4) {
-    G == 32 ? run<true, true>(a, M) : run<true, false>(a, M);
-  } else {
-    G == 32 ? run<false, true>(a, M) : run<false, false>(a, M);
-  }
+at::Tensor finish(const at::Tensor& y, const at::Tensor& x, int64_t N) {
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   return y.view(sizes).to(x.scalar_type());
 }
 
-at::Tensor quantize_activations(const at::Tensor& x, bool permute) {
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0), K = xf.size(1);
-  TORCH_CHECK(K % 64 == 0, "woq: K a multiple of 64");
-  at::Tensor xq = at::empty({M, K}, xf.options().dtype(at::kByte));
-  at::Tensor xs = at::empty({M, 1}, xf.options());
-  quantize_rows(xf.data_ptr<float>(), M, K, permute, xq.data_ptr<uint8_t>(), xs.data_ptr<float>());
-  return at::cat({xs, xq.to(at::kFloat)}, 1);  // [M, 1 + K]: the scale, then q + 128 (for the tests)
+}  // namespace
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  TORCH_CHECK(qweight.dtype() == at::kChar && qweight.is_contiguous() && scales.dtype() == at::kFloat &&
+              scales.is_contiguous(), "woq int8: int8 [N, K] weight and float32 [N, K / G] scales, contiguous");
+  const int64_t N = qweight.size(0), K = qweight.size(1), G = K / scales.size(1);
+  TORCH_CHECK(K % 16 == 0 && G % 16 == 0 && scales.size(1) * G == K, "woq int8: K and G must be multiples of 16");
+  const at::Tensor xf = as_float_rows(x, K);
+  const int64_t M = xf.size(0);
+  at::Tensor y = at::empty({M, N}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  const int8_t* wp = qweight.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ng = K / G;
+  blocks_loop<kNB>(M, N, [&](auto nb, auto mb, int64_t n0, int64_t m0) {
+    int8_tile<decltype(nb)::value, decltype(mb)::value>(xp + m0 * K, K, wp + n0 * K, sp + n0 * ng, K, G,
+                                                       yp + m0 * N + n0, N);
+  });
+  return finish(y, x, N);
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& zeros) {
+  TORCH_CHECK(packed.dtype() == at::kByte && packed.is_contiguous() && scales.dtype() == at::kFloat &&
+              scales.is_contiguous() && zeros.dtype() == at::kFloat && zeros.is_contiguous(),
+              "woq int4: uint8 [N, K / 2] weight, float32 [N, K / G] scales and zeros, contiguous");
+  const int64_t N = packed.size(0), K = 2 * packed.size(1), G = K / scales.size(1);
+  TORCH_CHECK(G % 32 == 0 && scales.size(1) * G == K, "woq int4: the group size must be a multiple of 32");
+  const at::Tensor xf = as_float_rows(x, K);
+  const int64_t M = xf.size(0);
+  at::Tensor y = at::empty({M, N}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = zeros.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ng = K / G;
+  blocks_loop<2>(M, N, [&](auto nb, auto mb, int64_t n0, int64_t m0) {  // 4 x 2 x 4 accumulators
+    int4_tile<decltype(nb)::value, decltype(mb)::value>(xp + m0 * K, K, wp + n0 * (K / 2), sp + n0 * ng,
+                                                       zp + n0 * ng, K, G, yp + m0 * N + n0, N);
+  });
+  return finish(y, x, N);
 }
 
 TORCH_LIBRARY(specdec_woq, m) {
-  m.def("linear(Tensor x, Tensor weight, Tensor scales, Tensor init, Tensor zeros, int K) -> Tensor", &woq_linear);
-  m.def("quantize_activations(Tensor x, bool permute) -> Tensor", &quantize_activations);
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor", &int8_linear);
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor zeros) -> Tensor", &int4_linear);
 }
