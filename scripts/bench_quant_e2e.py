@@ -35,6 +35,8 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--out", default="bench_results/quant_e2e")
     p.add_argument("--targets", default=",".join(TARGETS))
+    p.add_argument("--summary-json", default=None, help="also write the table as a bench_results record")
+    p.add_argument("--summarize-only", action="store_true", help="read the runs already in --out")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -42,11 +44,43 @@ def main() -> int:
     for r in range(args.rounds):
         for target in args.targets.split(","):
             for fmt in FORMATS:
-                name = f"{target.split()[0].lower()}_{fmt}_r{r}.json"
-                results.setdefault((target, fmt), []).append(run_once(target, fmt, out / name, args))
+                path = out / f"{target.split()[0].lower()}_{fmt}_r{r}.json"
+                if args.summarize_only:
+                    if path.is_file():
+                        results.setdefault((target, fmt), []).append(json.loads(path.read_text()))
+                    continue
+                results.setdefault((target, fmt), []).append(run_once(target, fmt, path, args))
                 print(f"round {r} {target} {fmt} done", file=sys.stderr, flush=True)
     print(render(results, args.rounds))
+    if args.summary_json:
+        write_summary(results, args, Path(args.summary_json))
     return 0
+
+
+def write_summary(results: dict, args, path: Path) -> None:
+    """One record for scripts/make_benchmarks_md.py: provenance of the first run, a row per config."""
+    first = next(iter(results.values()))[0]
+    rounds = min(len(runs) for runs in results.values())
+    record = {"kind": "quant_e2e", "command": f"python scripts/bench_quant_e2e.py --rounds {rounds} "
+              f"--input-len {args.input_len} --output-len {args.output_len}",
+              "date": first["date"], "machine": first["machine"], "versions": first["versions"],
+              "note": "each run: " + first["command"], "by_config": {}}
+    for (target, fmt), runs in results.items():
+        base = results[(target, "float32")]
+        med = statistics.median
+        row = {"plain_decode_tok_s": round(med(r["baseline"]["decode_tokens_per_s"] for r in runs), 2),
+               "plain_vs_float32": round(med(r["baseline"]["decode_tokens_per_s"] / b["baseline"]["decode_tokens_per_s"]
+                                             for r, b in zip(runs, base)), 2),
+               "weight_mb_read_per_token": round(runs[0]["roofline"]["weight_bytes_per_step"] / 1e6),
+               "plain_roofline_fraction": round(med(r["roofline_fraction"] for r in runs), 2),
+               "copy_gb_s": round(med(r["roofline"]["bandwidth_gb_per_s"] for r in runs), 1)}
+        if runs[0].get("speculative"):
+            row["spec_decode_tok_s"] = round(med(r["speculative"]["decode_tokens_per_s"] for r in runs), 2)
+            row["spec_vs_float32_plain"] = round(med(r["speculative"]["decode_tokens_per_s"] / b["baseline"]["decode_tokens_per_s"]
+                                                     for r, b in zip(runs, base)), 2)
+            row["greedy_identical_fraction"] = min(r["speculative"]["greedy_agreement"]["identical_fraction"] for r in runs)
+        record["by_config"][f"{target} / {fmt}"] = row
+    path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def render(results: dict, rounds: int) -> str:
