@@ -194,6 +194,8 @@ def render(data: dict) -> str:
     note = (f"Effective GB/s (weight bytes streamed / time) over the single-thread copy GB/s measured just "
             f"before, activations {data['dtype']}, {data['num_threads']} thread(s), int4 group "
             f"{data['group_size']}, median of {data.get('repeats', 3)}; bar: >= 0.70 at M=1 and t(M=6) <= 1.3 t(M=1).\n\n")
+    for source in data.get("merged_from", []):  # rows of other runs of this command, same machine and day
+        note += f"Rows of {source['kernels']}: `{source['command']}` ({source['date']}).\n\n"
     head = note + ("| kernel | NxK | " + " | ".join(f"M={m}" for m in rows) + " | t(M=6)/t(M=1) | copy GB/s | meets bar |\n"
             + "|---" * (len(rows) + 5) + "|")
     return "\n".join([head] + [render_row(r, rows) for r in data["results"]])
