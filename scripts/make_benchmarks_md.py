@@ -18,7 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-KIND_ORDER = ("peers", "latency", "profile", "throughput", "sweep", "compare", "workloads", "serve")
+KIND_ORDER = ("peers", "latency", "profile", "throughput", "sweep", "compare", "workloads", "quant_kernels",
+              "quant_e2e", "serve")
 TITLES = {
     "latency": "Latency: decode tokens/s vs the roofline, speculation vs none",
     "profile": "Profile of one decode step: where the time goes",
@@ -28,6 +29,8 @@ TITLES = {
     "peers": "specdec vs vLLM CPU and llama.cpp (each configuration in its own process, interleaved rounds)",
     "workloads": "Draft-free speculation on grounded, open-ended and batched work",
     "serve": "HTTP serving load test",
+    "quant_kernels": "int8 / int4 weight-only matmul kernels against the copy bandwidth",
+    "quant_e2e": "float32 vs int8 vs int4 weights end to end (single thread)",
     "other": "Other recorded results",
 }
 

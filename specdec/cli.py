@@ -22,7 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--quantization", default=None, choices=[None, "int8", "int8_dynamic", "fp8"])
+    g.add_argument("--quantization", default=None, choices=[None, "int8", "int4", "int8_dynamic", "fp8"],
+                   help="target weights: int8 (per channel) or int4 (groups of 128) weight-only; fp8")
     g.add_argument("--speculative-config", default=None, help="JSON, e.g. '{\"method\": \"ngram\", ...}'")
     g.add_argument("--speculative-model", default=None)
     g.add_argument("--num-speculative-tokens", default=None)

@@ -10,7 +10,7 @@ DRAFTING_METHODS = ("draft_model", "eagle", "eagle3")  # a model that scores its
 MAX_SPEC_TOKENS = 16
 MAX_TREE_TOPK = 8
 MAX_TREE_NODES = 64
-QUANTIZATION_METHODS = (None, "int8", "int8_dynamic", "fp8")
+QUANTIZATION_METHODS = (None, "int8", "int4", "int8_dynamic", "fp8")
 ATTENTION_BACKENDS = ("auto", "reference", "torch", "triton")
 
 
@@ -23,7 +23,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int | str = 5  # an int in 1..16, or "auto" (adaptive, up to max_num_speculative_tokens)
     max_num_speculative_tokens: int = 8  # the ceiling for "auto"
     dtype: str = "auto"  # the draft's own dtype ("auto": the target's)
-    quantization: str | None = None  # "int8" (weight-only), "int8_dynamic" (W8A8, CPU) or "fp8" (e4m3) for the draft
+    quantization: str | None = None  # "int8" / "int4" (weight-only), "int8_dynamic" (W8A8, CPU) or "fp8" (e4m3) for the draft
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     acceptance: float = 0.8  # "replay" (benchmark only): probability a proposed token is kept correct
@@ -138,7 +138,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    quantization: str | None = None  # "int8" or "fp8" for the target (changes outputs: opt-in)
+    quantization: str | None = None  # "int8" / "int4" (weight-only) or "fp8" for the target (the quantized model is the target)
     speculative_config: SpeculativeConfig | None = None
     attention_backend: str = "auto"  # "reference" (per-request loop), "torch" (batched SDPA) or "triton" (GPU)
     num_threads: int | None = None
@@ -174,8 +174,15 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
+        from specdec.models.speculators import override_with_speculators
+
+        # a speculators checkpoint as the model: its verifier is the target, the checkpoint the draft
+        model, tokenizer, spec_value = override_with_speculators(model, kwargs.pop("tokenizer", None),
+                                                                 kwargs.pop("speculative_config", None))
+        if tokenizer is not None:
+            kwargs["tokenizer"] = tokenizer
         spec = SpeculativeConfig.from_any(
-            kwargs.pop("speculative_config", None),
+            spec_value,
             speculative_model=kwargs.pop("speculative_model", None),
             num_speculative_tokens=kwargs.pop("num_speculative_tokens", None),
         )

@@ -66,8 +66,10 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         encoded = [self._encode(p) for p in prompts]
-        for _, ids in encoded:  # validate everything before anything is queued
+        for (_, ids), sp in zip(encoded, params):  # validate everything before anything is queued
             self.engine.validate_prompt(ids)
+            if sp.structured_outputs is not None:  # compiled once: add_request finds it in the cache
+                self.engine.compile_grammar(sp.structured_outputs)
         ids = []
         for (text, token_ids), sp in zip(encoded, params):
             rid = str(next(self._counter))
@@ -106,17 +108,21 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
+        """``tools``: OpenAI tool definitions (``{"type": "function", "function": {...}}``), given to
+        the chat template; read calls from the output with ``specdec.tool_parsers``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template) for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template, tools) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; pass chat_template=...")
         ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True)
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+            tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

@@ -47,7 +47,13 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"SamplingParams.structured_outputs has unknown fields {sorted(unknown)}")
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("SamplingParams.structured_outputs must be a StructuredOutputsParams, a dict of its "
+                             f"fields or None, got {type(self.structured_outputs).__name__}")
         if self.top_k == -1:
             self.top_k = 0
         self._validate()

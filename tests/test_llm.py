@@ -76,7 +76,7 @@ def test_unknown_engine_argument_is_named(llama_path):
 
 @pytest.mark.parametrize("field, value", [
     ("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("block_size", 0), ("max_model_len", 0),
-    ("kv_cache_memory", 0), ("gpu_memory_utilization", 1.5), ("quantization", "int4"),
+    ("kv_cache_memory", 0), ("gpu_memory_utilization", 1.5), ("quantization", "int3"),
     ("attention_backend", "flash"), ("dtype", "float64"), ("device", "tpu"),
 ])
 def test_bad_engine_argument_values_are_named(llama_path, field, value):

@@ -23,7 +23,8 @@ from specdec.profiling import RANGE_PREFIX
 
 # the matmul-family operators the model's linears reach (packed bf16, int8 variants, plain F.linear)
 LINEAR_OPS = frozenset({"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm",
-                        "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm", "quantized::linear_dynamic"})
+                        "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm", "quantized::linear_dynamic",
+                        "specdec_woq::linear"})
 CATEGORIES = ("linear", "attention", "other kernels", "forward Python", "draft", "verification + sampling",
               "engine Python")
 _PREFIX = RANGE_PREFIX

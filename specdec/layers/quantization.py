@@ -3,9 +3,12 @@
 - ``PackedLinear``: on CPU, bf16 weights pre-packed once into oneDNN's blocked layout, so a
   decode-sized matmul streams the weight at close to memory bandwidth (measured ~1.3-1.5x
   ``F.linear`` at 1-32 rows on the development machine).
-- ``Int8Linear``: weight-only int8 with per-output-channel scales; halves the bytes a
-  memory-bound step reads. Uses PyTorch's ``_weight_int8pack_mm`` where it exists (measured on
-  the development CPU: no faster than packed bf16 at 1 row, slower at 6 rows).
+- ``WeightOnlyLinear`` (``"int8"``: symmetric per output channel; ``"int4"``: scale and zero
+  point per group of 128 inputs, LM head at int8): the weight stays quantized in memory, so a
+  memory-bound step reads about a quarter (int8) or an eighth (int4) of float32's bytes; the CPU
+  kernel dequantises it in registers and multiplies in float32 (``specdec.kernels.woq_cpu``). GGUF Q8_0 / Q4_0 tensors load
+  straight into this layer (``specdec.models.gguf_quant``). The quantized weights *are* the
+  target: speculation is lossless with respect to them.
 - ``DynamicInt8Linear`` (``"int8_dynamic"``): int8 weights (per-channel) and per-call int8
   activations through PyTorch's fbgemm dynamic-quantized linear; 2-3x faster than packed bf16
   at 1-6 rows on the development CPU. Activation quantization changes numerics more than
@@ -20,7 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.kernels import woq_cpu
+from specdec.kernels.woq_format import Int4Weight, Int8Weight, quantize_int4, quantize_int8
 from specdec.layers.fp8 import Fp8Linear
+
+INT4_GROUP_SIZE = 128  # inputs per int4 scale / zero point: 4.5 bits per weight with float32 scales
 
 
 def _can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -41,28 +48,72 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-class Int8Linear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+class WeightOnlyLinear(nn.Module):
+    """``x @ dequant(W).T + b`` for an ``Int8Weight`` / ``Int4Weight`` (``specdec.kernels.woq_format``).
+
+    On CPU the AVX-512 kernel (``specdec.kernels.woq_cpu``) runs it in float32 arithmetic with the
+    weight dequantised in registers; elsewhere, or without the kernel, the reference (dequantise,
+    then ``F.linear``). The quantized tensors are buffers, so ``.to(device)`` moves them.
+    """
+
+    def __init__(self, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None, compute_dtype: torch.dtype):
         super().__init__()
-        w = linear.weight.detach().float()
-        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)  # [out]
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.compute_dtype = linear.weight.dtype
-        self.register_buffer("weight_int8", torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8))
-        self.register_buffer("scales", scales.to(linear.weight.dtype))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self.use_pack_mm = linear.weight.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
+        self.out_features, self.in_features = weight_shape(weight)
+        self.compute_dtype = compute_dtype
+        self.int4 = isinstance(weight, Int4Weight)
+        if self.int4:
+            self.register_buffer("packed", weight.packed)
+            self.register_buffer("zeros", weight.zeros)
+        else:
+            self.register_buffer("weight_int8", weight.qweight)
+        self.register_buffer("scales", weight.scales)
+        # a parameter, as nn.Linear's: checkpoint loaders fill biases by parameter name
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def quantized_weight(self) -> Int8Weight | Int4Weight:
+        if self.int4:
+            return Int4Weight(self.packed, self.scales, self.zeros)
+        return Int8Weight(self.weight_int8, self.scales)
 
     def dequantized_weight(self) -> torch.Tensor:
-        return (self.weight_int8.float() * self.scales.float()[:, None]).to(self.compute_dtype)
+        return self.quantized_weight().dequantize(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_pack_mm:
-            shape = x.shape
-            out = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.weight_int8, self.scales)
-            out = out.reshape(*shape[:-1], self.out_features)
-            return out if self.bias is None else out + self.bias
-        return F.linear(x, self.dequantized_weight(), self.bias)
+        if x.device.type == "cpu":
+            out = woq_cpu.linear(x, self.quantized_weight())
+        else:
+            out = F.linear(x, self.dequantized_weight().to(x.dtype))
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        kind = "int4" if self.int4 else "int8"
+        return f"{kind}, in={self.in_features}, out={self.out_features}, group={self.quantized_weight().group_size}"
+
+
+def weight_shape(weight: Int8Weight | Int4Weight) -> tuple[int, int]:
+    return tuple(weight.shape) if isinstance(weight, Int4Weight) else tuple(weight.qweight.shape)
+
+
+def _bias(linear: nn.Linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach().clone()
+
+
+def Int8Linear(linear: nn.Linear, group_size: int | None = None) -> WeightOnlyLinear:
+    """Weight-only int8, one symmetric scale per output channel (or per ``group_size`` inputs)."""
+    weight = quantize_int8(linear.weight, group_size)
+    return WeightOnlyLinear(weight, _bias(linear), linear.weight.dtype).to(linear.weight.device)
+
+
+def Int4Linear(linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> WeightOnlyLinear:
+    """Weight-only int4 with a scale and zero point per group of inputs: ``group_size``, or the
+    largest of its halves (down to 32) that divides in_features; int8 per channel if none does."""
+    group = group_size
+    while linear.in_features % group and group > 32:
+        group //= 2
+    if linear.in_features % group or group % 32:
+        return Int8Linear(linear)
+    weight = quantize_int4(linear.weight, group)
+    return WeightOnlyLinear(weight, _bias(linear), linear.weight.dtype).to(linear.weight.device)
 
 
 class DynamicInt8Linear(nn.Module):
@@ -83,15 +134,18 @@ class DynamicInt8Linear(nn.Module):
         return self.inner(x.float()).to(self.compute_dtype)
 
 
-QUANTIZATIONS = {"int8": Int8Linear, "int8_dynamic": DynamicInt8Linear, "fp8": Fp8Linear}
+QUANTIZATIONS = {"int8": Int8Linear, "int4": Int4Linear, "int8_dynamic": DynamicInt8Linear, "fp8": Fp8Linear}
+# int4 keeps the LM head at int8, as llama.cpp's Q4 mixes keep output.weight at 6-8 bits
+_LM_HEAD_QUANTIZATION = {"int4": Int8Linear}
 
 
-def _replace_linears(module: nn.Module, make) -> None:
+def _replace_linears(module: nn.Module, make, lm_head_make=None, prefix: str = "") -> None:
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
-            setattr(module, name, make(child))
+            is_head = f"{prefix}{name}" == "lm_head"
+            setattr(module, name, (lm_head_make or make)(child) if is_head else make(child))
         else:
-            _replace_linears(child, make)
+            _replace_linears(child, make, lm_head_make, f"{prefix}{name}.")
 
 
 def prepare_for_inference(model: nn.Module, quantization: str | None, device: torch.device) -> nn.Module:
@@ -100,7 +154,7 @@ def prepare_for_inference(model: nn.Module, quantization: str | None, device: to
     if quantization in QUANTIZATIONS:
         if quantization == "int8_dynamic" and device.type != "cpu":
             raise ValueError("quantization 'int8_dynamic' (fbgemm) runs on CPU only; use 'int8' on GPUs")
-        _replace_linears(model, QUANTIZATIONS[quantization])
+        _replace_linears(model, QUANTIZATIONS[quantization], _LM_HEAD_QUANTIZATION.get(quantization))
     elif quantization is not None:
         raise ValueError(f"quantization must be None or one of {sorted(QUANTIZATIONS)}, got {quantization!r}")
     elif _can_pack(dtype, device):

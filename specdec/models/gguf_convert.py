@@ -9,6 +9,9 @@ name the tensors (so no `accelerate` and no fp32 copy of the whole model), a com
 two tokenizer fixes that make the rebuilt tokenizer match the upstream `tokenizer.json`, and a
 `generation_config.json` with every end-of-generation id llama.cpp would stop on.
 
+Q8_0 and Q4_0 linear weights are not dequantized: `gguf_quant` keeps them in their blocks
+(`woq/linears.safetensors`), and the loader builds int8 / int4 layers from them.
+
 `convert_gguf` writes into a fresh folder and is not atomic by itself; `hub.py` builds in a
 temporary folder and renames it into place.
 """
@@ -21,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from specdec.models.gguf_quant import read_quantized_linears, save_quantized_linears
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 # llama.cpp (llama-vocab.cpp) stops on these besides the eos/eot/eom ids the file names.
@@ -32,7 +37,8 @@ _END_OF_GENERATION_TOKENS = (
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
                  progress: bool = True) -> Path:
-    """Write `out_dir/{model.safetensors,config.json,tokenizer*.json,generation_config.json}`.
+    """Write `out_dir/{model.safetensors,config.json,tokenizer*.json,generation_config.json}` (and
+    `woq/linears.safetensors` when the file has Q8_0 / Q4_0 linears).
 
     `out_dir` must not exist yet or be empty. Raises ValueError for an architecture outside
     SUPPORTED_ARCHITECTURES or a file whose tensors do not cover the model.
@@ -44,8 +50,11 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: torch.dty
     metadata = read_gguf_metadata(gguf_path)
     config = read_config(gguf_path)
     config.dtype = dtype
-    tensors = read_weights(gguf_path, config, metadata, dtype=dtype, progress=progress)
+    quantized, replaced = read_quantized_linears(gguf_path, config, metadata["architecture"])
+    tensors = read_weights(gguf_path, config, metadata, dtype=dtype, progress=progress, kept_quantized=replaced)
     save_weights(tensors, out_dir / "model.safetensors")
+    if quantized:
+        save_quantized_linears(quantized, out_dir)
     config.save_pretrained(out_dir)
     read_tokenizer(gguf_path, metadata).save_pretrained(out_dir)
     build_generation_config(metadata, config).save_pretrained(out_dir)
@@ -84,8 +93,9 @@ def read_config(gguf_path: Path):
 
 
 def read_weights(gguf_path: Path, config, metadata: dict, *, dtype: torch.dtype,
-                 progress: bool) -> dict[str, torch.Tensor]:
-    """Dequantized tensors under transformers names, each checked against the model's shape."""
+                 progress: bool, kept_quantized: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Dequantized tensors under transformers names, each checked against the model's shape;
+    the names in ``kept_quantized`` (stored by ``gguf_quant``) are left out."""
     from transformers import AutoModelForCausalLM
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
@@ -97,6 +107,8 @@ def read_weights(gguf_path: Path, config, metadata: dict, *, dtype: torch.dtype,
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
+    for name in kept_quantized:
+        expected.pop(name, None)
     with _tqdm_in(gguf_utils, disable=not progress):
         parsed = gguf_utils.load_gguf_checkpoint(str(gguf_path), return_tensors=True,
                                                  model_to_load=model, torch_dtype=dtype)

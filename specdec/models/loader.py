@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from specdec.layers.attention import TORCH_BACKEND, AttentionBackend
 from specdec.layers.rotary import RotaryEmbedding
+from specdec.models.gguf_quant import install_quantized_linears, load_quantized_linears
 from specdec.models.registry import get_model_class
 
 
@@ -91,6 +92,11 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, attn_backend
     model = model.to_empty(device=device)
     if model.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    quantized = load_quantized_linears(path)  # GGUF Q8_0 / Q4_0 linears, kept in their blocks
+    if quantized:
+        if slicer is not None:
+            raise ValueError(f"{path!r} keeps GGUF-quantized linears, which tensor parallelism does not shard yet")
+        install_quantized_linears(model, quantized, dtype, device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_tables()

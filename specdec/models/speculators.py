@@ -11,10 +11,16 @@ Weights: ``fc.weight`` [H, n * H_t], ``layers.N.*`` (Hugging Face Llama names; l
 2H and it has a ``hidden_norm``), ``norm.weight``, ``lm_head.weight`` [draft vocab, H], ``d2t``
 [draft vocab] int64 offsets (target id = draft id + d2t[draft id]), ``t2d`` [target vocab] bool,
 and optionally ``embed_tokens.weight`` (absent: the target's embedding is shared).
+
+Checked against the library itself (speculators 0.9.0 writes ``architectures: ["Eagle3DraftModel"]``,
+``target_hidden_size: null``, its own ``embed_tokens`` and ``dtype``): tests/models/test_speculators_interop.py.
+A speculators folder given as the model (``LLM(model=DIR)``, as vLLM) runs its verifier with it as the draft
+(``override_with_speculators``).
 """
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -56,6 +62,43 @@ def speculative_defaults(path: str | Path) -> dict | None:
     if chosen is not None and chosen.get("speculative_tokens") is not None:
         out["num_speculative_tokens"] = int(chosen["speculative_tokens"])
     return out
+
+
+def verifier_path(path: str | Path) -> str:
+    """The target a speculators folder names (``speculators_config.verifier.name_or_path``): as vLLM
+    reads it (a path from the working directory, or a model name), else a path relative to the folder
+    (so a folder shipped beside its target, naming it ``"../target"``, loads from anywhere)."""
+    raw = read_config(path) or {}
+    name = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    if not name:
+        raise ValueError(f"speculators checkpoint {str(path)!r} names no verifier "
+                         f"(speculators_config.verifier.name_or_path); pass the target as model= and the folder "
+                         f"as speculative_config={{'model': ...}}")
+    if os.path.isabs(name) or os.path.exists(name):
+        return name
+    local = Path(path) / name
+    return str(local.resolve()) if local.exists() else name
+
+
+def override_with_speculators(model, tokenizer, speculative_config):
+    """``LLM(model=<speculators folder>)`` as vLLM reads it: the folder's verifier becomes the
+    model (and the tokenizer, unless one is given) and the folder the draft, with the method and K
+    the folder implies; the user's ``speculative_config`` fields win except ``method`` and ``model``.
+    Anything else passes through unchanged."""
+    if not isinstance(model, str) or not os.path.isdir(model) or not is_speculators_folder(model):
+        return model, tokenizer, speculative_config
+    if isinstance(speculative_config, str):
+        try:
+            speculative_config = json.loads(speculative_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+    if speculative_config is not None and not isinstance(speculative_config, dict):
+        raise ValueError(f"model {model!r} is a speculators checkpoint: speculative_config may only add fields "
+                         f"as a dict, got {type(speculative_config).__name__}")
+    implied = speculative_defaults(model)
+    spec = {**implied, **(speculative_config or {}), "method": implied["method"], "model": model}
+    verifier = verifier_path(model)
+    return verifier, tokenizer or verifier, spec
 
 
 def _layer_config(raw: dict):

@@ -33,6 +33,7 @@ from specdec.server.protocol import APIError
 from specdec.server.request_body import read_body
 from specdec.server.serving import OpenAIServing
 from specdec.server.tokenizer_pool import TokenizerPool
+from specdec.tool_parsers import get_tool_parser, parser_for_template
 
 logger = logging.getLogger("specdec.server")
 
@@ -53,6 +54,7 @@ class ServerSettings:
     engine_stop_timeout: float = 30.0
     enable_docs: bool = False  # /docs, /redoc, /openapi.json
     allowed_hosts: list[str] = field(default_factory=list)  # empty: any Host header
+    tool_call_parser: str | None = None  # None: the one the chat template's format implies, if any
     on_engine_death: Callable[[], None] | None = None  # event-loop thread; cli.py exits non-zero
 
 
@@ -70,8 +72,11 @@ def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
                                                           "admission_waiting": admission.num_waiting})
     async_engine.metrics = metrics
     pool = TokenizerPool(engine.tokenizer, settings.tokenizer_workers, settings.max_pending_prepares)
+    tool_parser = (get_tool_parser(settings.tool_call_parser) if settings.tool_call_parser
+                   else parser_for_template(getattr(engine.tokenizer, "chat_template", None)))
     preparer = Preparer(settings.limits, [settings.model_name], engine.max_model_len, engine.vocab_size,
-                        admission.capacity, max_token_chars(engine.tokenizer), engine.validate_prompt)
+                        admission.capacity, max_token_chars(engine.tokenizer), engine.validate_prompt,
+                        engine.compile_grammar, tool_parser)
     serving = OpenAIServing(async_engine, admission, preparer, pool, settings.write_timeout)
     started = int(time.time())
     limits = settings.limits
@@ -85,7 +90,8 @@ def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
             async_engine.on_death = lambda: loop.call_soon_threadsafe(settings.on_engine_death)
         app.state.loop = loop
         async_engine.start()
-        logger.info("engine thread started; serving %r", settings.model_name)
+        logger.info("engine thread started; serving %r; tool-call parser: %s", settings.model_name,
+                    tool_parser.name if tool_parser else "none")
         try:
             yield
         finally:

@@ -15,6 +15,7 @@ from specdec.cli import add_engine_args, make_llm
 from specdec.server.admission import POLICIES
 from specdec.server.limits import RequestLimits
 from specdec.server.memory import limit_malloc_arenas
+from specdec.tool_parsers import PARSERS
 
 
 def register_cli(subparsers) -> None:
@@ -52,6 +53,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-hosts", default="",
                    help="comma-separated Host header names to accept (e.g. localhost,127.0.0.1); default: any")
     g.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
+    g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                   help="the format the model writes tool calls in (default: the one its chat template shows: "
+                        "<tool_call> tags -> hermes, Llama 3 markers -> llama3_json)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g = p.add_argument_group("request limits (each breach is a 4xx naming the limit)")
     d = RequestLimits()
@@ -66,6 +70,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stop", type=int, default=d.max_stop, help="stop strings per request")
     g.add_argument("--max-stop-length", type=int, default=d.max_stop_length, help="characters per stop string")
     g.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids)
+    g.add_argument("--max-schema-chars", type=int, default=d.max_schema_chars,
+                   help="characters of each JSON schema / regex / grammar, and of all tool definitions together")
 
 
 def settings_from_args(args, name: str):
@@ -79,13 +85,14 @@ def settings_from_args(args, name: str):
     limits = RequestLimits(max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                            max_messages=args.max_messages, max_n=args.max_n, max_tokens=args.max_tokens_limit,
                            max_logprobs=args.max_logprobs, max_stop=args.max_stop,
-                           max_stop_length=args.max_stop_length, max_stop_token_ids=args.max_stop_token_ids)
+                           max_stop_length=args.max_stop_length, max_stop_token_ids=args.max_stop_token_ids,
+                           max_schema_chars=args.max_schema_chars)
     return ServerSettings(model_name=name, api_key=args.api_key, metrics_api_key=args.metrics_api_key,
                           max_queue=args.max_queue, queue_full_policy=args.queue_full_policy,
                           max_waiting=args.max_waiting, limits=limits, write_timeout=args.write_timeout,
                           tokenizer_workers=args.tokenizer_workers, max_pending_prepares=args.max_pending_prepares,
                           shutdown_timeout=args.shutdown_timeout, engine_stop_timeout=args.shutdown_timeout + 10.0,
-                          enable_docs=args.enable_docs,
+                          enable_docs=args.enable_docs, tool_call_parser=args.tool_call_parser,
                           allowed_hosts=[h for h in args.allowed_hosts.split(",") if h.strip()])
 
 

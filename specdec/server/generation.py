@@ -15,12 +15,14 @@ from specdec.server.admission import Admission, Closed, QueueFull
 from specdec.server.async_engine import AsyncEngine, EngineDead, EngineRequest
 from specdec.server.mailbox import Mailbox
 from specdec.server.protocol import APIError
+from specdec.server.structured import engine_error_param
 
 
 class Generation:
     def __init__(self, engine: AsyncEngine, admission: Admission, base_id: str, prompt_ids: list[list[int]],
-                 prompt_texts: list[str | None], params: SamplingParams):
+                 prompt_texts: list[str | None], params: SamplingParams, constraint_field: str | None = None):
         self.engine = engine
+        self.constraint_field = constraint_field  # names the field of an engine error about the grammar
         self.admission = admission
         self.params = params
         self.requests = [EngineRequest(f"{base_id}-{i}", ids, params, text)
@@ -67,7 +69,7 @@ class Generation:
             try:
                 items = await self._sink.take()
             except Exception as e:  # noqa: BLE001 - the engine thread's verdict on this request
-                raise _as_api_error(e) from None
+                raise _as_api_error(e, self.constraint_field) from None
             changed: dict[int, RequestOutput] = {}
             for item in items:
                 i = self.index[item.request_id]
@@ -87,11 +89,11 @@ class Generation:
             self.admission.release(self.num_slots)
 
 
-def _as_api_error(e: BaseException) -> APIError:
+def _as_api_error(e: BaseException, constraint_field: str | None = None) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, ValueError):
-        return APIError(400, str(e))
+        return APIError(400, str(e), param=engine_error_param(str(e), constraint_field))
     if isinstance(e, EngineDead):
         return APIError(503, str(e), code="engine_unavailable")
     return APIError(500, f"internal error: {e}", code="engine_step_failed")

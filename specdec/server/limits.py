@@ -1,8 +1,9 @@
 """Per-request limits: each a server flag, each breach a 400 naming the field and the limit.
 
 They bound the work one request can ask for before it costs anything: the body's bytes,
-the messages to template, the completions and tokens to generate, the logprobs to rank
-and the stop strings and ids checked on every token. ``SamplingParams`` bounds the values
+the messages to template, the completions and tokens to generate, the logprobs to rank,
+the stop strings and ids checked on every token, and the schemas, regexes, grammars and tool
+definitions that become grammars. ``SamplingParams`` bounds the values
 themselves (finite, in range); these bound the amounts.
 """
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from specdec.server.structured import constraint_sizes
+from specdec.server.tools import tools_size
 
 
 @dataclass
@@ -23,9 +26,10 @@ class RequestLimits:
     max_stop: int = 16
     max_stop_length: int = 256  # characters per stop string
     max_stop_token_ids: int = 64
+    max_schema_chars: int = 64 << 10  # each schema / regex / grammar, and all tool definitions together
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_messages", "max_n", "max_stop", "max_stop_length"):
+        for name in ("max_body_bytes", "max_messages", "max_n", "max_stop", "max_stop_length", "max_schema_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("max_logprobs", "max_stop_token_ids"):
@@ -75,3 +79,10 @@ def check_limits(req: CompletionRequest | ChatCompletionRequest, limits: Request
     if isinstance(req, ChatCompletionRequest) and len(req.messages) > limits.max_messages:
         raise APIError(400, f"messages has {len(req.messages)} entries, over this server's limit of "
                             f"{limits.max_messages} (--max-messages)", param="messages", code="limit_exceeded")
+    sizes = constraint_sizes(req)
+    if isinstance(req, ChatCompletionRequest) and req.tools:
+        sizes.append(("tools", tools_size(req)))
+    for field, size in sizes:
+        if size > limits.max_schema_chars:
+            raise APIError(400, f"{field} is {size} characters (as JSON), over this server's limit of "
+                                f"{limits.max_schema_chars} (--max-schema-chars)", param=field, code="limit_exceeded")

@@ -2,15 +2,19 @@
 
 Request models turn themselves into ``SamplingParams``; any ``ValueError`` on the way
 becomes an ``APIError`` (HTTP 400) whose ``param`` names the field as the client spelled it.
+The output-constraint fields (``response_format``, vLLM's ``structured_outputs`` and
+``guided_*``) are typed here and mapped in structured.py; ``tools`` / ``tool_choice`` in tools.py.
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdec.sampling_params import SamplingParams
+from specdec.structured_output import StructuredOutputsParams
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 408: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
@@ -57,6 +61,19 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaSpec(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
 class _SamplingFields(_Strict):
     """Fields shared by both endpoints; None means "the default"."""
     model: str | None = None
@@ -83,6 +100,14 @@ class _SamplingFields(_Strict):
     return_token_ids: bool = False  # each choice (and stream delta) also carries the generated token ids
     # specdec extension: decode this request without speculation (same batch)
     use_speculation: bool = True
+    # output constraints (at most one; structured.py): OpenAI's, then vLLM's current and older names
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -92,8 +117,8 @@ class _SamplingFields(_Strict):
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
-    def _sampling_kwargs(self) -> dict[str, Any]:
-        kw: dict[str, Any] = dict(
+    def _sampling_kwargs(self, structured_outputs: StructuredOutputsParams | None) -> dict[str, Any]:
+        kw: dict[str, Any] = dict(structured_outputs=structured_outputs,
             n=self.n, seed=self.seed, stop=self.stop, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, use_speculation=self.use_speculation,
@@ -127,7 +152,7 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         self._check_unsupported()
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
@@ -135,7 +160,7 @@ class CompletionRequest(_SamplingFields):
             raise APIError(400, f"best_of must equal n ({self.n}) when given, got {self.best_of}", param="best_of")
         if self.echo and self.logprobs is not None:
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
-        kw = {**self._sampling_kwargs(), "max_tokens": self.max_tokens, "logprobs": self.logprobs}
+        kw = {**self._sampling_kwargs(structured_outputs), "max_tokens": self.max_tokens, "logprobs": self.logprobs}
         return make_sampling_params(kw)
 
     def prompts(self) -> list[str | list[int]]:
@@ -155,10 +180,23 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    model_config = ConfigDict(strict=True, extra="allow")  # name, tool_call_id ... pass to the template
+    model_config = ConfigDict(strict=True, extra="allow")  # name, reasoning ... pass to the template
     role: Literal[CHAT_ROLES]
     content: str | list[TextPart] | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def as_template_dict(self) -> dict:
         out = self.model_dump(exclude_none=True)
@@ -167,34 +205,68 @@ class ChatMessage(_Strict):
         return out
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's names (and dots, for namespaces)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list | None = None  # legacy function calling
     function_call: Any = None
-    response_format: dict | None = None
     add_generation_prompt: bool = True
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         self._check_unsupported()
         for legacy in ("functions", "function_call"):
             if getattr(self, legacy) is not None:
-                raise APIError(400, f"{legacy} (legacy function calling) is not supported", param=legacy)
-        if self.tools:
-            raise APIError(400, "tools (function calling) are not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+                raise APIError(400, f"{legacy} (legacy function calling) is not supported; use tools",
+                               param=legacy)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
         max_field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        kw = {**self._sampling_kwargs(), "max_tokens": max_tokens, "logprobs": logprobs}
+        kw = {**self._sampling_kwargs(structured_outputs), "max_tokens": max_tokens, "logprobs": logprobs}
         return make_sampling_params(kw, rename={"max_tokens": max_field, "logprobs": "top_logprobs"})
 
     def template_messages(self) -> list[dict]:
-        return [m.as_template_dict() for m in self.messages]
+        """The messages as chat templates read them: text parts joined, and an assistant's tool
+        call arguments as objects (templates write them with ``tojson``), not JSON strings."""
+        out = []
+        for i, m in enumerate(self.messages):
+            d = m.as_template_dict()
+            for j, call in enumerate(d.get("tool_calls") or []):
+                param = f"messages.{i}.tool_calls.{j}.function.arguments"
+                try:
+                    args = json.loads(call["function"]["arguments"])
+                except ValueError:
+                    raise APIError(400, f"{param} is not JSON", param=param) from None
+                if not isinstance(args, dict):
+                    raise APIError(400, f"{param} must be a JSON object, got {type(args).__name__}", param=param)
+                call["function"]["arguments"] = args
+            out.append(d)
+        return out

@@ -32,6 +32,7 @@ from specdec.server.responses import (
     usage,
 )
 from specdec.server.tokenizer_pool import TokenizerPool, own_copy
+from specdec.tool_parsers import ToolCallStream, new_call_id
 
 logger = logging.getLogger("specdec.server")
 
@@ -81,7 +82,7 @@ class OpenAIServing:
         prep = await self._prepare(self.preparer.completion, body)
         req, model, params, ids, texts = prep.req, prep.model, prep.params, prep.prompt_ids, prep.prompt_texts
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        gen = Generation(self.engine, self.admission, rid, ids, texts, params)
+        gen = Generation(self.engine, self.admission, rid, ids, texts, params, prep.constraint_field)
         n, top = params.n, params.logprobs or 0
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
@@ -138,17 +139,26 @@ class OpenAIServing:
         prep = await self._prepare(self.preparer.chat, body)
         req, model, params, ids = prep.req, prep.model, prep.params, prep.prompt_ids[0]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        gen = Generation(self.engine, self.admission, rid, [ids], [None], params)
+        gen = Generation(self.engine, self.admission, rid, [ids], [None], params, prep.constraint_field)
         top = params.logprobs or 0
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model}
+        parser = prep.tool_parser
+        max_calls = None if req.parallel_tool_calls else 1  # "auto" cannot enforce it: later calls are dropped
 
         async def body(gen: Generation) -> dict:
             async for _ in gen.updates():
                 pass
             choices = []
             for c in gen.latest[0].outputs:
-                choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                          "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+                if parser is not None:  # content stripped, as a stream sends it (it holds back blanks)
+                    parsed = parser.parse(c.text)
+                    message["content"] = parsed.content if parsed.tool_calls else parsed.content or ""
+                    if parsed.tool_calls:
+                        message["tool_calls"] = [call.as_openai(new_call_id()) for call in parsed.tool_calls[:max_calls]]
+                        finish = _tool_finish(finish)
+                choice = {"index": c.index, "message": message,
+                          "logprobs": None, "finish_reason": finish, "stop_reason": c.stop_reason}
                 if c.logprobs is not None:
                     choice["logprobs"] = chat_logprobs(c.token_ids, c.logprobs, top, self.token_text)
                 if req.return_token_ids:
@@ -161,7 +171,7 @@ class OpenAIServing:
             for j in range(params.n):
                 yield self._chunk(chunk_head, req, {"index": j, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None})
-            trackers = {}
+            trackers, tool_streams = {}, {}
             async for changed in gen.updates():
                 for _, out in changed:
                     for c in out.outputs:
@@ -169,8 +179,17 @@ class OpenAIServing:
                         d = t.advance(c)
                         if d.is_empty:
                             continue
-                        choice = {"index": c.index, "delta": {"content": d.text} if d.text else {},
-                                  "logprobs": None, "finish_reason": d.finish_reason}
+                        finish = d.finish_reason
+                        if parser is None:
+                            delta = {"content": d.text} if d.text else {}
+                        else:  # the parser sees the text sent so far, so calls never leak into content
+                            stream = tool_streams.setdefault(c.index, ToolCallStream(parser, max_calls))
+                            delta = stream.update(t.sent_text, final=finish is not None)
+                            if stream.num_calls:
+                                finish = _tool_finish(finish)
+                            if not delta and finish is None and d.logprobs is None and not req.return_token_ids:
+                                continue
+                        choice = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
                         if d.finish_reason:
                             choice["stop_reason"] = d.stop_reason
                         if d.logprobs is not None:
@@ -189,6 +208,11 @@ class OpenAIServing:
         if req.include_usage:
             chunk["usage"] = None
         return chunk
+
+
+def _tool_finish(finish_reason: str | None) -> str | None:
+    """A choice that called tools and ended on its own (not cut by max_tokens) ends in "tool_calls"."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 async def _until_done_or_disconnected(raw: Request, gen: Generation, body) -> Response:

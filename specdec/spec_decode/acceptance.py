@@ -60,6 +60,11 @@ class AcceptanceEstimator:
             return pooled
         return (counts[:, 0] + self.prior_strength * pooled) / (counts[:, 1] + self.prior_strength)
 
+    @property
+    def num_pooled_trials(self) -> float:
+        """Draft tokens tried over all requests (decayed): how much evidence the pooled estimate holds."""
+        return float(self._pooled[0, 1])
+
     def acceptance(self, request_id: str) -> float:
         """Per-token acceptance rate a under the i.i.d. model."""
         return float(self._posterior(request_id)[0])

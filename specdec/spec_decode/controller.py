@@ -39,6 +39,11 @@ class SpecController:
         self.replan_idle_max = 32
         self._last_ids: list[str] = []  # the decoding requests of the previous plan
         self.observe_plain_every = 8  # plain decode steps per cost-model observation
+        # exploration: while the pooled acceptance rests on fewer than ``explore_min_trials`` tried
+        # drafts, a plan that drafts nothing drafts max_k instead, at most ``explore_max_steps`` times
+        self.explore_min_trials = 16
+        self.explore_max_steps = 4
+        self._num_explored = 0
         if adaptive:
             from specdec.spec_decode.acceptance import AcceptanceEstimator
             from specdec.spec_decode.cost_model import StepCostModel
@@ -126,6 +131,11 @@ class SpecController:
             alphas = self.acceptance.position_acceptances(ids)
             ks = choose_num_spec_tokens(alphas, self.max_k, self.cost, num_other_tokens=others,
                                         draft_per_token=self.draft_is_model, weights=weights)
+            if not any(ks) and not prefilling and self._should_explore():
+                # the prior alone said no: without trying, "auto" would never learn that a strong
+                # draft pays (a few steps of max_k are the price of finding out, once per engine)
+                self._num_explored += 1
+                ks = [self.max_k] * len(reqs)
             if not any(ks) and not prefilling:
                 # the same requests, no acceptance seen, and again nothing to draft: the costs alone
                 # drift too slowly to change that, so look less often
@@ -135,6 +145,10 @@ class SpecController:
             else:
                 self._idle_ids, self._idle_age = None, 0
         return dict(zip(ids, ks))
+
+    def _should_explore(self) -> bool:
+        return (self._num_explored < self.explore_max_steps
+                and self.acceptance.num_pooled_trials < self.explore_min_trials)
 
     def observe(self, record: StepRecord) -> None:
         """Learn from a finished step: acceptance per request, step costs, realised throughput."""

@@ -61,11 +61,15 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Row ``row`` of ``bitmask``: the tokens allowed after the matcher's current position."""
         if self.matcher.is_terminated():
-            bitmask[row].zero_()
-            for t in self.eos_token_ids:
-                bitmask[row, t // 32] |= _bit(t % 32)
+            self.fill_eos(bitmask, row)
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def fill_eos(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row ``row``: only the EOS tokens."""
+        bitmask[row].zero_()
+        for t in self.eos_token_ids:
+            bitmask[row, t // 32] |= _bit(t % 32)
 
     def path_masks(self, paths: list[list[int]], bitmask: torch.Tensor, first_row: int = 0) -> list[int]:
         """Fill rows first_row + r with the mask after ``paths[r]`` (each assumed valid, a
@@ -97,3 +101,23 @@ class GrammarState:
 def _bit(j: int) -> int:
     """Bit j of an int32 word as a Python int that fits int32 (bit 31 is the sign)."""
     return -(1 << 31) if j == 31 else 1 << j
+
+
+def end_dead_ends(bitmask: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
+    """Rows (filled by ``states[j].fill``) that allow no token get the EOS tokens: a grammar the
+    vocabulary cannot continue (a character no token spells: ``choice=["€"]`` with a tokenizer
+    without it) then ends the request at its longest valid prefix, instead of emitting banned
+    tokens (the argmax of an all -inf row) up to its length limit. numpy over runs of
+    consecutive rows: a torch op per row would cost about what a fill does, and gathering
+    the rows first three times the scan."""
+    words = bitmask.numpy()
+    start = 0
+    while start < len(rows):
+        end = start + 1
+        while end < len(rows) and rows[end] == rows[end - 1] + 1:
+            end += 1
+        live = words[rows[start]:rows[end - 1] + 1].any(axis=1)
+        if not live.all():
+            for j in (~live).nonzero()[0].tolist():
+                states[start + j].fill_eos(bitmask, rows[start + j])
+        start = end

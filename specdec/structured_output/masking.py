@@ -17,7 +17,7 @@ import torch
 
 from specdec.spec_decode import tree
 from specdec.spec_decode.proposer import DraftProposal
-from specdec.structured_output.grammar_state import GrammarState
+from specdec.structured_output.grammar_state import GrammarState, end_dead_ends
 from specdec.worker.request_state import CachedRequestState
 
 
@@ -122,6 +122,7 @@ def mask_draft_logits(logits: torch.Tensor, reqs: list[CachedRequestState], path
             grammar = reqs[j].grammar
             grammar.goto(paths[j])
             grammar.fill(bitmask, j)
+        end_dead_ends(bitmask, rows, [reqs[j].grammar for j in rows])
         argmax_only = None if tree else [reqs[j].sampling_params.is_greedy for j in rows]
         apply_bitmask(logits, bitmask, rows, fallback_uniform=True, argmax_only=argmax_only)
 
@@ -172,10 +173,12 @@ def verification_bitmask(reqs: list[CachedRequestState], histories: list[list[li
     if all(r.grammar is None for r in reqs):
         return None
     bitmask = GrammarState.allocate(sum(len(h) for h in histories), vocab_size)
-    rows, first = [], 0
+    rows, states, first = [], [], 0
     for req, paths in zip(reqs, histories):
         if req.grammar is not None:
             req.grammar.path_masks(paths, bitmask, first)
             rows.extend(range(first, first + len(paths)))
+            states.extend([req.grammar] * len(paths))
         first += len(paths)
+    end_dead_ends(bitmask, rows, states)
     return bitmask, rows

@@ -1,8 +1,8 @@
 """StructuredOutputsParams: vLLM's names for a request's output constraint.
 
 Exactly one constraint is set: ``json`` (a JSON schema as a dict, a JSON string or a pydantic
-model class), ``regex``, ``choice`` (a list of strings), ``grammar`` (EBNF / GBNF text, or a
-Lark grammar) or ``json_object=True`` (any JSON object). The schema is normalised to a JSON
+model class), ``regex``, ``choice`` (a list of strings), ``grammar`` (EBNF / GBNF text, root rule
+``root``; Lark syntax is refused with a hint) or ``json_object=True`` (any JSON object). The schema is normalised to a JSON
 string here, so the params are picklable and hashable for the compile cache.
 """
 from __future__ import annotations

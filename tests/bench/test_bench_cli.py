@@ -228,3 +228,19 @@ def test_workloads_rotate_configs_and_pair_each_repetition(llama_path, tmp_path)
             ratios = sorted(row["speedup_per_repeat"])
             assert row["speedup"] == pytest.approx(ratios[len(ratios) // 2] if len(ratios) % 2
                                                    else (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2)
+
+
+def test_structured_bench_pairs_each_mode_with_its_plain_run(llama_path, tmp_path):
+    """Four configurations per workload and batch: speculation on/off x free/constrained; greedy
+    float32 outputs equal the plain run of the same mode; only constrained runs spend grammar time."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    run_cli(["bench", "structured", "--model", llama_path, "--dtype", "float32", "--speculative-config", spec,
+             "--workloads", "extract", "--batch-sizes", "2", "--num-prompts", "2", "--output-len", "24",
+             "--repeats", "1", "--warmup", "0", "--output-json", str(tmp_path / "s.json")])
+    result = json.loads((tmp_path / "s.json").read_text())
+    rows = result["batches"]["extract/2"]["rows"]
+    assert list(rows) == ["off/free", "spec/free", "off/json", "spec/json"]
+    for name, row in rows.items():
+        assert row["identical_to_off"] and row["tokens"] > 0
+        assert (row["grammar_share"] > 0) == name.endswith("json")
+    assert rows["off/free"]["speedup_vs_off"] == 1.0

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
+from specdec.structured_output import StructuredOutputsParams
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=96)
 MAX_TOKENS = 16
@@ -85,12 +86,18 @@ def test_ngram_and_seeded_sampling_under_tp(llama_path, prompts, reference):
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_TOKENS, seed=100 + i, ignore_eos=True)
               for i in range(4)]
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    one = LLM(model=llama_path, speculative_config=spec, **ENGINE).generate(prompts[:4], params, use_tqdm=False)
+    one_llm = LLM(model=llama_path, speculative_config=spec, **ENGINE)
+    one = one_llm.generate(prompts[:4], params, use_tqdm=False)
     llm = tp_llm(llama_path, spec)
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in prompts]
     sampled = llm.generate(prompts[:4], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in sampled] == [o.outputs[0].token_ids for o in one]
+    # structured output: every rank keeps its own matcher, in step
+    grammar = StructuredOutputsParams(regex=r"(def|class) [a-z_]{1,12}\((x|y)?\):")
+    constrained = [p.clone(structured_outputs=grammar, ignore_eos=False, max_tokens=40) for p in params]
+    want = [o.outputs[0].token_ids for o in one_llm.generate(prompts[:4], constrained, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:4], constrained, use_tqdm=False)] == want
     assert_clean(llm)
     stop(llm)
 
@@ -156,6 +163,7 @@ def test_start_up_errors_name_the_limit(llama_path, make_model):
 SCRIPT = """
 import sys
 from specdec import LLM, SamplingParams
+from specdec.structured_output import StructuredOutputsParams
 llm = LLM(model=sys.argv[1], tensor_parallel_size=2, dtype="float32", device="cpu", max_model_len=96)
 out = llm.generate([sys.argv[2]], SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True),
                    use_tqdm=False)

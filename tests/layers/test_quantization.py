@@ -1,24 +1,45 @@
-"""Packed bf16 and int8 linears against F.linear on the original / dequantized weights."""
+"""Packed bf16, int8 and int4 linears against F.linear / the woq reference on the same weights."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specdec.layers.norm import RMSNorm
-from specdec.layers.quantization import Int8Linear, PackedLinear, _can_pack, prepare_for_inference
+from specdec.kernels.woq_format import reference_linear
+from specdec.layers.quantization import (
+    Int4Linear,
+    Int8Linear,
+    PackedLinear,
+    WeightOnlyLinear,
+    _can_pack,
+    prepare_for_inference,
+)
 
 
+@pytest.mark.parametrize("make", [Int8Linear, Int4Linear, lambda lin: Int4Linear(lin, group_size=32)])
 @pytest.mark.parametrize("rows", [1, 6, 33])
-def test_int8_linear_matches_dequantized_reference(rows):
+def test_weight_only_linear_is_the_reference_plus_bias(make, rows):
     torch.manual_seed(0)
-    lin = nn.Linear(64, 48, bias=True)
-    q = Int8Linear(lin)
-    x = torch.randn(rows, 64)
-    expected = F.linear(x, q.dequantized_weight(), q.bias)
-    torch.testing.assert_close(q(x), expected, rtol=1e-4, atol=1e-4)
-    # and the quantization error itself is small relative to the weights
-    err = (q.dequantized_weight() - lin.weight).abs().max() / lin.weight.abs().max()
-    assert err < 1 / 127
+    lin = nn.Linear(128, 48, bias=True)
+    q = make(lin)
+    x = torch.randn(rows, 128)
+    expected = reference_linear(x, q.quantized_weight()) + q.bias
+    torch.testing.assert_close(q(x), expected, rtol=1e-5, atol=1e-5)
+    # and the quantization error itself is small relative to the float layer
+    assert (q(x) - lin(x)).abs().max() < 0.1 * lin(x).abs().max()
+
+
+def test_int8_weights_round_to_within_half_a_step():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    err = (Int8Linear(lin).dequantized_weight() - lin.weight).abs().max() / lin.weight.abs().max()
+    assert err <= 0.5 / 127 + 1e-6
+
+
+def test_int4_group_halves_until_it_divides_the_inputs_else_int8():
+    assert Int4Linear(nn.Linear(576, 8)).quantized_weight().group_size == 64  # SmolLM2's hidden size
+    q = Int4Linear(nn.Linear(80, 8))
+    assert isinstance(q, WeightOnlyLinear) and not q.int4
 
 
 @pytest.mark.skipif(not _can_pack(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16 packing here")
@@ -34,7 +55,17 @@ def test_packed_linear_equals_f_linear(rows):
 def test_prepare_for_inference_int8_swaps_every_linear():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)))
     prepare_for_inference(model, "int8", torch.device("cpu"))
-    assert isinstance(model[0], Int8Linear) and isinstance(model[2][0], Int8Linear)
+    assert isinstance(model[0], WeightOnlyLinear) and isinstance(model[2][0], WeightOnlyLinear)
+    assert not model[0].int4
+
+
+def test_prepare_for_inference_int4_keeps_the_lm_head_at_int8():
+    model = nn.Module()
+    model.layers = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128))
+    model.lm_head = nn.Linear(128, 50)
+    prepare_for_inference(model, "int4", torch.device("cpu"))
+    assert all(layer.int4 for layer in model.layers)
+    assert isinstance(model.lm_head, WeightOnlyLinear) and not model.lm_head.int4
     with pytest.raises(ValueError, match="quantization"):
         prepare_for_inference(nn.Sequential(nn.Linear(2, 2)), "int3", torch.device("cpu"))
 

@@ -44,8 +44,9 @@ def _permute_for_llama_cpp(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def _write_gguf(model, path: Path, arch: str, pre: str, dtype=np.float32) -> None:
-    """A transformers Llama/Qwen2 model -> GGUF the way llama.cpp's converter writes it."""
+def _write_gguf(model, path: Path, arch: str, pre: str, dtype=np.float32, linear_qtype=None) -> None:
+    """A transformers Llama/Qwen2 model -> GGUF the way llama.cpp's converter writes it;
+    ``linear_qtype`` (a gguf.GGMLQuantizationType) quantizes every matrix but the embedding."""
     config = model.config
     tokens, token_types, merges = _tiny_vocab()
     assert len(tokens) == config.vocab_size
@@ -80,8 +81,12 @@ def _write_gguf(model, path: Path, arch: str, pre: str, dtype=np.float32) -> Non
             data = _permute_for_llama_cpp(data, config.num_attention_heads)
         elif arch == "llama" and base.endswith("self_attn.k_proj"):
             data = _permute_for_llama_cpp(data, config.num_key_value_heads)
+        gguf_name = f"{name_map.get_name(base)}.{suffix}"
+        if linear_qtype is not None and data.ndim == 2 and not gguf_name.startswith("token_embd"):
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, linear_qtype), raw_dtype=linear_qtype)
+            continue
         # llama.cpp keeps 1-D tensors (norms, biases) in F32 whatever the file type
-        writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", data.astype(dtype if data.ndim > 1 else np.float32))
+        writer.add_tensor(gguf_name, data.astype(dtype if data.ndim > 1 else np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

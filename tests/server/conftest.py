@@ -23,6 +23,19 @@ MAX_MODEL_LEN = 256
 ENGINE_ARGS = ["--dtype", "float32", "--num-threads", "1", "--max-model-len", str(MAX_MODEL_LEN),
                "--kv-cache-memory", "8000000", "--max-num-seqs", "64", "--log-level", "warning"]
 SPEC_CONFIG = '{"method": "ngram", "num_speculative_tokens": 3}'
+# a small Hermes-style chat template (Qwen2.5's tool-call format) for the tiny tokenizer
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|bos|>system: You may call these functions:\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    'Call one as <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call>\n{% endif %}'
+    "{% for m in messages %}<|bos|>{{ m['role'] }}: "
+    "{% if m['role'] == 'tool' %}[{{ m['tool_call_id'] }}] {% endif %}"
+    "{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|bos|>assistant: {% endif %}"
+)
 
 
 def free_port() -> int:
@@ -105,6 +118,17 @@ class ServerProcess:
 @pytest.fixture(scope="session")
 def tiny_model(make_model) -> Path:
     return Path(make_model("server_llama", arch="llama"))
+
+
+@pytest.fixture(scope="session")
+def hermes_template() -> str:
+    return HERMES_TEMPLATE
+
+
+@pytest.fixture(scope="session")
+def server_process() -> type[ServerProcess]:
+    """The class, for modules that start a server on a checkpoint of their own."""
+    return ServerProcess
 
 
 @pytest.fixture(scope="session")

@@ -40,6 +40,12 @@ CORPUS: list[tuple[str, bytes]] = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": -1}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "tool", "content": "x"}], "max_tokens": 2}'),
     ("/v1/chat/completions", b'{"messages": {"role": "user"}}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": '
+                             b'{"name": "f", "arguments": "{"}}]}]}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+                             b'"function": {"name": "f", "parameters": {"$ref": "#"}}}], "tool_choice": "required"}'),
+    ("/v1/completions", b'{"prompt": "x", "guided_json": {"$ref": "#"}}'),
+    ("/v1/completions", b'{"prompt": "x", "guided_grammar": "root ::= root"}'),  # a grammar no token can start
 ]
 
 # values at the edges of what validation accepts: each must be served (a 200), not crash a step
@@ -52,7 +58,9 @@ CORPUS_OK: list[tuple[str, dict]] = [("/v1/completions", {**_EDGE, **kw}) for kw
     {"prompt": [0], "max_tokens": 1}, {"prompt": "\ud83d\ude00 \u0000"}, {"max_tokens": None, "stream": True},
 ]] + [("/v1/chat/completions", {"messages": [{"role": r, "content": "x"} for r in ("system", "user")],
                                 "max_tokens": 3, **kw})
-      for kw in [{"logprobs": True, "top_logprobs": 20}, {"stream": True, "n": 3}, {"max_completion_tokens": 1}]]
+      for kw in [{"logprobs": True, "top_logprobs": 20}, {"stream": True, "n": 3}, {"max_completion_tokens": 1},
+                 {"response_format": {"type": "json_object"}, "stream": True},
+                 {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}]]
 
 _junk = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
                   st.text(max_size=20), st.just("\ud800"), st.lists(st.integers(-3, 300), max_size=4),
@@ -70,7 +78,19 @@ _common = {
     "include_stop_str_in_output": st.booleans(), "return_token_ids": st.booleans(), "use_speculation": _junk,
     "stream_options": st.one_of(st.just({"include_usage": True}), _junk), "logit_bias": _junk, "user": _text,
     "skip_special_tokens": st.booleans(), "echo": st.booleans(), "best_of": _small_int, "suffix": _text,
+    "response_format": st.one_of(st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"},
+                                                  {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
+                                                  {"type": "json_schema", "json_schema": {"schema": {"type": 7}}}]),
+                                 _junk),
+    "structured_outputs": st.one_of(st.sampled_from([{"json_object": True}, {"regex": "a{0,99999}"}, {"choice": []},
+                                                     {"grammar": 'root ::= "x" root'}, {"json": "{"}]), _junk),
+    "guided_regex": st.one_of(st.sampled_from(["[ab]{1,3}", "(", "\\", "a*"]), _junk),
+    "guided_choice": st.one_of(st.lists(_text, max_size=3), _junk), "guided_json": _junk, "guided_grammar": _text,
 }
+_tool = st.one_of(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g", "bad name", ""])},
+    optional={"parameters": st.one_of(st.just({"type": "object", "properties": {"a": {"type": "integer"}}}), _junk)})}),
+    _junk)
 _message = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "system", "assistant"]), _text),
                                   "content": st.one_of(_text, st.lists(st.fixed_dictionaries(
                                       {"type": st.sampled_from(["text", "image"]), "text": _text}), max_size=2))})
@@ -81,6 +101,11 @@ _chat = st.fixed_dictionaries({"messages": st.one_of(st.lists(_message, max_size
                               optional={**_common, "logprobs": st.one_of(st.booleans(), _junk),
                                         "top_logprobs": _small_int, "max_completion_tokens": _small_int,
                                         "functions": st.one_of(st.none(), st.lists(_junk, max_size=1)),
+                                        "tools": st.one_of(st.lists(_tool, max_size=2), _junk),
+                                        "tool_choice": st.one_of(st.sampled_from(
+                                            ["auto", "none", "required", {"type": "function", "function": {"name": "f"}}]),
+                                            _junk),
+                                        "parallel_tool_calls": st.one_of(st.booleans(), _junk),
                                         "add_generation_prompt": st.one_of(st.booleans(), _junk)})
 _request = st.one_of(st.tuples(st.just("/v1/completions"), _completion),
                      st.tuples(st.just("/v1/chat/completions"), _chat))

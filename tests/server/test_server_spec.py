@@ -51,3 +51,25 @@ def test_speculative_stream_with_usage(spec_server):
                                          "acceptance_rate", "mean_acceptance_length"}
     m = spec_server.wait_idle()
     assert m["specdec:kv_cache_free_blocks"] == m["specdec:kv_cache_total_blocks"]
+
+
+def test_constrained_greedy_text_equals_plain_server(server, spec_server):
+    """A grammar masks drafts and verification rows alike: greedy output under a constraint is
+    the plain server's, token for token, while drafts are still proposed and verified."""
+    import re
+
+    regex = r"((a = b \+ c|x = y)\n){12}"  # twelve lines, each the model's choice
+    constraints = [{"guided_regex": regex},
+                   {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+                       "type": "object", "properties": {"a": {"enum": ["b + c", "d"]}, "n": {"type": "integer"}},
+                       "required": ["a", "n"]}}}}]
+    for constraint in constraints:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 48, "temperature": 0, **constraint}
+        plain = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        spec = httpx.post(spec_server.url + "/v1/completions", json=body, headers=spec_server.headers,
+                          timeout=60).json()
+        assert spec["choices"][0]["text"] == plain["choices"][0]["text"], constraint
+        assert spec["usage"]["spec_decode"]["num_drafts"] > 0, (constraint, spec["choices"][0]["text"])
+    assert re.fullmatch(regex, httpx.post(spec_server.url + "/v1/completions", json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 120, "temperature": 0, "guided_regex": regex},
+        headers=spec_server.headers, timeout=60).json()["choices"][0]["text"])

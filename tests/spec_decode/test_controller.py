@@ -105,3 +105,28 @@ def test_observe_updates_acceptance_from_the_step_record():
     assert ctl.acceptance.acceptance("fresh") < before
     # a request that drafted nothing learnt nothing of its own: it reads the pooled prior, as an unseen one does
     assert ctl.acceptance.acceptance("other") == ctl.acceptance.acceptance("never-seen")
+
+
+def test_auto_explores_a_few_steps_when_the_prior_alone_says_no():
+    """Costs under which the prior acceptance (0.5) makes K = 0 optimal: without evidence "auto"
+    drafts max_k for a few steps, learns a strong draft pays and keeps drafting; a poor draft
+    stops after those few steps and is not retried."""
+    for accepted, keeps_drafting in ((4, True), (0, False)):
+        ctl = SpecController(max_k=4, adaptive=True, draft_is_model=True)
+        for n in (1, 2, 4, 8):
+            ctl.cost.set("target", n, 0.1 * (1 + 0.6 * (n - 1)))  # verification rows are costly
+            ctl.cost.set("draft", n, 0.02)
+        ctl.guard.allow = lambda num_decoding: True
+        req = decoding("r", 256, 10)
+        plans = []
+        for _ in range(12):
+            k = ks(ctl, [req])[0]
+            plans.append(k)
+            if k:
+                ctl.observe(record(["r"], [k], [min(accepted, k)]))
+        assert plans[0] == 4  # explored despite the prior
+        assert ctl._num_explored <= ctl.explore_max_steps
+        if keeps_drafting:
+            assert all(plans), plans  # a draft accepted in full: worth it at these costs
+        else:
+            assert plans[-6:] == [0] * 6 and sum(1 for k in plans if k) == ctl.explore_max_steps, plans

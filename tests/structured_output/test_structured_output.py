@@ -16,7 +16,7 @@ from specdec.structured_output import StructuredOutputsParams
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=256)
 SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "pattern": "^[a-z ]{0,8}$"},
+    "name": {"type": "string", "maxLength": 8},  # xgrammar alone would admit raw control characters
     "count": {"type": "integer", "minimum": 0, "maximum": 999},
     "ok": {"type": "boolean"},
     "tags": {"type": "array", "items": {"enum": ["a", "bb", "def"]}, "maxItems": 3}},
@@ -126,12 +126,13 @@ def test_preemption_n_seeds_stop_strings_and_logprobs(llama_path, noisy_draft_pa
     assert small.engine.scheduler.num_preemptions > 0
     assert got == want
     # n > 1 with a seed: reproducible, each completion in the grammar; logprobs of the constrained distribution
-    sampled = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=60, logprobs=2,
+    sampled = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=150, logprobs=2,
                              structured_outputs=CONSTRAINTS[0])
     a = small.generate([prompts[0]], sampled, use_tqdm=False)[0].outputs
     b = small.generate([prompts[0]], sampled, use_tqdm=False)[0].outputs
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     for c in a:
+        assert c.finish_reason == "stop"
         json.loads(c.text)
         for token, lp in zip(c.token_ids, c.logprobs):
             assert token in lp and lp[token] <= 0.0
@@ -144,7 +145,9 @@ def test_bad_constraints_are_clear_errors_and_disturb_nothing(llama_path, prompt
     llm = LLM(model=llama_path, **ENGINE)
     for params, field in [(StructuredOutputsParams(regex="(("), "structured_outputs.regex"),
                           (StructuredOutputsParams(json={"type": "foo"}), "structured_outputs.json"),
-                          (StructuredOutputsParams(grammar="root ::= "), "structured_outputs.grammar")]:
+                          (StructuredOutputsParams(grammar="root ::= "), "structured_outputs.grammar"),
+                          (StructuredOutputsParams(json=SCHEMA, whitespace_pattern=" ?"),
+                           "structured_outputs.whitespace_pattern")]:
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
             llm.generate([prompts[0]], SamplingParams(structured_outputs=params), use_tqdm=False)
     with pytest.raises(ValueError, match="exactly one"):

@@ -1,0 +1,205 @@
+"""``specdec bench quant-kernels``: weight-only int8 / int4 matmul kernels against the copy bandwidth.
+
+For each kernel, shape (N outputs x K inputs) and activation row count M, the effective
+bandwidth is the weight bytes the kernel must stream (int8: N*K + scales; int4: N*K/2 + scales
+and zero points) over its time; it is reported as a ratio to the single-thread copy bandwidth
+measured in the same process right before (read + written bytes, as ``roofline.py`` counts).
+Each weight is copied enough times that one pass over the copies exceeds the last-level cache,
+and successive calls walk the copies, so a call never finds its weight in cache. A kernel
+meets the bar when it reaches 0.70 of the copy bandwidth at M=1 and its M=6 time stays within
+1.3x its M=1 time. Third-party kernels (torchao, zentorch) are timed when importable.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import torch
+
+from specdec.bench.report import median, result_header, run_benchmark
+from specdec.bench.roofline import measure_bandwidth
+
+SHAPES = ((1536, 1536), (256, 1536), (8960, 1536), (1536, 8960), (4096, 4096))  # (N, K): Qwen2.5-1.5B, 4096^2
+ROWS = (1, 2, 4, 6, 9)
+CACHE_BYTES = 96 << 20  # the copies of one weight together exceed this (L3 is 32 MB)
+
+
+def add_parser(sub):
+    p = sub.add_parser("quant-kernels", help="int8 / int4 weight-only matmul kernels: effective GB/s vs copy GB/s")
+    p.add_argument("--kernels", default=None, help="comma-separated subset of the kernel names")
+    p.add_argument("--shapes", default=None, help="NxK,NxK,... (default: Qwen2.5-1.5B shapes and 4096x4096)")
+    p.add_argument("--rows", default=",".join(map(str, ROWS)))
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activation dtype")
+    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="repetitions (the median is reported)")
+    p.add_argument("--group-size", type=int, default=128, help="int4 group size along K (32: GGUF Q4_0)")
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=run)
+    return p
+
+
+def _int8_weights(w: torch.Tensor, group_size: int | None):
+    from specdec.kernels.woq_format import quantize_int8
+
+    return quantize_int8(w, group_size)
+
+
+def candidate_kernels(group_size: int) -> dict:
+    """name -> (format, prepare(w [N, K] float32, dtype) -> (fn(x) -> y, weight bytes)). Formats:
+    int8 per output channel, int4 with ``group_size`` groups along K."""
+    from specdec.kernels import woq_cpu
+    from specdec.kernels.woq_format import quantize_int4, quantize_int8
+
+    def torch_int8pack(w, dtype):
+        q = quantize_int8(w, None)
+        scales = q.scales[:, 0].to(dtype).contiguous()
+        return (lambda x: torch._weight_int8pack_mm(x, q.qweight, scales)), q.nbytes
+
+    def torch_int4pack(w, dtype):
+        q = quantize_int4(w, group_size)
+        # PyTorch's format: [N, K] int32 values 0..15, scale_and_zero [K/G, N, 2] with w = (q - 8) * s + zero
+        packed = torch._convert_weight_to_int4pack_for_cpu(q.unpacked().to(torch.int32), 1)
+        zero = (8 - q.zeros) * q.scales  # [N, G]: (q - z) s = (q - 8) s + (8 - z) s
+        sz = torch.stack([q.scales, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+        return (lambda x: torch._weight_int4pack_mm_for_cpu(x, packed, group_size, sz)), q.nbytes
+
+    def dequant_reference(fmt):
+        def prepare(w, dtype):
+            q = quantize_int8(w, None) if fmt == "int8" else quantize_int4(w, group_size)
+            return (lambda x: torch.nn.functional.linear(x, q.dequantize(x.dtype))), q.nbytes
+        return prepare
+
+    def ours(fmt):
+        def prepare(w, dtype):
+            q = quantize_int8(w, None) if fmt == "int8" else quantize_int4(w, group_size)
+            return (lambda x: woq_cpu.linear(x, q)), q.nbytes
+        return prepare
+
+    kernels = {
+        "torch._weight_int8pack_mm": ("int8", torch_int8pack),
+        "torch._weight_int4pack_mm_for_cpu": ("int4", torch_int4pack),
+        "dequantize + F.linear (int8)": ("int8", dequant_reference("int8")),
+        "dequantize + F.linear (int4)": ("int4", dequant_reference("int4")),
+    }
+    if woq_cpu.available():
+        kernels["specdec woq int8 (AVX-512)"] = ("int8", ours("int8"))
+        kernels["specdec woq int4 (AVX-512)"] = ("int4", ours("int4"))
+    kernels.update(_third_party(group_size))
+    return kernels
+
+
+def _third_party(group_size: int) -> dict:
+    out = {}
+    try:
+        import zentorch  # noqa: F401
+        from specdec.kernels.woq_format import quantize_int4
+
+        def zen_int4(w, dtype):
+            q = quantize_int4(w, group_size)
+            signed = (q.unpacked().to(torch.int32) - 8).to(torch.int8)  # symmetric: zero 8
+            packed = torch.ops.zentorch.zentorch_woq_repack_weight(signed).transpose(0, 1)
+            scales = q.scales.transpose(0, 1).contiguous().to(dtype)
+            return (lambda x: torch.ops.zentorch.zentorch_woq_linear(x, packed, scales, None, None)), q.nbytes
+        out["zentorch_woq_linear (int4)"] = ("int4", zen_int4)
+    except ImportError as e:
+        warnings.warn(f"zentorch not importable, not timed: {e}", stacklevel=2)
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        def ao_int8(w, dtype):
+            lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).to(dtype)
+            lin.weight.data.copy_(w)
+            quantize_(lin, Int8WeightOnlyConfig())
+            return lin, w.numel() + 4 * w.shape[0]
+        out["torchao Int8WeightOnly"] = ("int8", ao_int8)
+    except ImportError as e:
+        warnings.warn(f"torchao not importable, not timed: {e}", stacklevel=2)
+    return out
+
+
+def time_kernel(prepare, n: int, k: int, rows, dtype: torch.dtype, pass_seconds: float = 0.05) -> dict:
+    """Seconds per call for each M (median of 3 timed passes over the rotating copies, each pass
+    about ``pass_seconds`` long and at least 5 calls)."""
+    w = torch.randn(n, k) * 0.02
+    fn, nbytes = prepare(w, dtype)
+    num_copies = max(2, -(-CACHE_BYTES // nbytes))
+    fns = [fn] + [prepare(w, dtype)[0] for _ in range(num_copies - 1)]
+    out = {}
+    for m in rows:
+        x = torch.randn(m, k).to(dtype)
+        t = time.perf_counter()
+        for f in fns if m == rows[0] else fns[:1]:  # warm-up: first-call costs, page faults
+            f(x)
+        per_call = (time.perf_counter() - t) / (num_copies if m == rows[0] else 1)
+        num_calls = max(3, int(pass_seconds / per_call))
+        passes = []
+        for _ in range(3):
+            t = time.perf_counter()
+            for i in range(num_calls):
+                fns[i % num_copies](x)
+            passes.append((time.perf_counter() - t) / num_calls)
+        out[m] = median(passes)
+    return {"seconds": out, "weight_bytes": nbytes}
+
+
+def measure(args) -> dict:
+    torch.set_num_threads(args.num_threads)
+    dtype = getattr(torch, args.dtype)
+    rows = [int(r) for r in args.rows.split(",")]
+    shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    kernels = candidate_kernels(args.group_size)
+    if args.kernels:
+        kernels = {name: kernels[name] for name in args.kernels.split(",")}
+    results = []
+    for name, (fmt, prepare) in kernels.items():
+        for n, k in shapes:
+            reps = []
+            for _ in range(args.repeats):
+                copy_bw = measure_bandwidth(256 << 20, repeats=3)
+                try:
+                    t = time_kernel(prepare, n, k, rows, dtype)
+                except (RuntimeError, NotImplementedError) as e:
+                    reps = None
+                    results.append({"kernel": name, "format": fmt, "n": n, "k": k, "error": str(e).splitlines()[0]})
+                    break
+                reps.append({str(m): t["weight_bytes"] / s / copy_bw for m, s in t["seconds"].items()}
+                            | {f"t{m}/t1": s / t["seconds"][rows[0]] for m, s in t["seconds"].items()}
+                            | {"copy_gbs": copy_bw / 1e9})
+            if reps:
+                row = {"kernel": name, "format": fmt, "n": n, "k": k,
+                       "ratio": {str(m): median(r[str(m)] for r in reps) for m in rows},
+                       "time_vs_m1": {str(m): median(r[f"t{m}/t1"] for r in reps) for m in rows},
+                       "copy_gbs": median(r["copy_gbs"] for r in reps)}
+                results.append(row)
+                print(render_row(row, rows), flush=True)
+    copy_gbs = median(r["copy_gbs"] for r in results if "copy_gbs" in r) if results else None
+    return result_header(args, "quant_kernels", copy_gbs * 1e9 if copy_gbs else None) | {
+        "rows": rows, "dtype": args.dtype, "num_threads": args.num_threads, "group_size": args.group_size,
+        "repeats": args.repeats, "results": results}
+
+
+def render_row(r: dict, rows) -> str:
+    if "error" in r:
+        return f"| {r['kernel']} | {r['n']}x{r['k']} | error: {r['error'][:80]} |"
+    ratios = " | ".join(f"{r['ratio'][str(m)]:.2f}" for m in rows)
+    t6 = r["time_vs_m1"].get("6", float("nan"))
+    meets = r["ratio"][str(rows[0])] >= 0.70 and t6 <= 1.3
+    return (f"| {r['kernel']} | {r['n']}x{r['k']} | {ratios} | {t6:.2f} | "
+            f"{r['copy_gbs']:.1f} | {'yes' if meets else 'no'} |")
+
+
+def render(data: dict) -> str:
+    rows = data["rows"]
+    note = (f"Effective GB/s (weight bytes streamed / time) over the single-thread copy GB/s measured just "
+            f"before, activations {data['dtype']}, {data['num_threads']} thread(s), int4 group "
+            f"{data['group_size']}, median of {data.get('repeats', 3)}; bar: >= 0.70 at M=1 and t(M=6) <= 1.3 t(M=1).\n\n")
+    for source in data.get("merged_from", []):  # rows of other runs of this command, same machine and day
+        note += f"Rows of {source['kernels']}: `{source['command']}` ({source['date']}).\n\n"
+    head = note + ("| kernel | NxK | " + " | ".join(f"M={m}" for m in rows) + " | t(M=6)/t(M=1) | copy GB/s | meets bar |\n"
+            + "|---" * (len(rows) + 5) + "|")
+    return "\n".join([head] + [render_row(r, rows) for r in data["results"]])
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_benchmark(args, measure, render)

@@ -1,0 +1,119 @@
+"""Quantized weight formats (int8, int4) and the reference of the linear computed with them.
+
+Both keep the weight in its ``[N, K]`` (out, in) orientation with scales per group of
+``group_size`` consecutive inputs of one output row (``group_size == K``: per output channel):
+
+- ``Int8Weight``: ``w[n, k] = qweight[n, k] * scales[n, k // G]`` (symmetric, int8). GGUF Q8_0
+  is this format with G = 32.
+- ``Int4Weight``: ``w[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G]`` with q in 0..15
+  two to a byte in GGUF Q4_0's nibble order: in each block of 32 inputs, byte j holds input j in
+  its low nibble and input j + 16 in its high nibble. GGUF Q4_0 is this format with G = 32 and
+  zeros 8; ``quantize_int4`` picks per-group min/max scales and zero points (asymmetric).
+
+``reference_linear`` (dequantize, then ``F.linear`` in float32) is the definition every fast
+kernel is tested against: weight-only, the activations stay exact. (Rounding them to int8 too, as
+llama.cpp's dot products do, makes a layer a step function of its input, so the last-ulp
+differences between a K+1-row verification and a one-row decode elsewhere in the model would flip
+roundings and greedy speculation would drift from greedy decoding.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 32  # the nibble-order block; int4 group sizes are multiples of it
+
+
+@dataclass
+class Int8Weight:
+    qweight: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N, K // G] float32
+
+    @property
+    def group_size(self) -> int:
+        return self.qweight.shape[1] // self.scales.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.numel() + 4 * self.scales.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.qweight.shape
+        exact = torch.float64 if dtype == torch.float64 else torch.float32
+        w = self.qweight.to(exact).view(n, -1, self.group_size) * self.scales.to(exact)[:, :, None]
+        return w.view(n, k).to(dtype)
+
+
+@dataclass
+class Int4Weight:
+    packed: torch.Tensor  # [N, K // 2] uint8, Q4_0 nibble order
+    scales: torch.Tensor  # [N, K // G] float32
+    zeros: torch.Tensor  # [N, K // G] float32 (integers 0..15)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], 2 * self.packed.shape[1]
+
+    @property
+    def group_size(self) -> int:
+        return self.shape[1] // self.scales.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + 8 * self.scales.numel()
+
+    def unpacked(self) -> torch.Tensor:
+        """[N, K] uint8 values 0..15 in input order."""
+        n, k = self.shape
+        blocks = self.packed.view(n, k // BLOCK, BLOCK // 2)
+        return torch.cat([blocks & 0xF, blocks >> 4], dim=-1).view(n, k)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        exact = torch.float64 if dtype == torch.float64 else torch.float32
+        q = self.unpacked().to(exact).view(n, -1, self.group_size)
+        w = (q - self.zeros.to(exact)[:, :, None]) * self.scales.to(exact)[:, :, None]
+        return w.view(n, k).to(dtype)
+
+
+def _check_groups(k: int, group_size: int, multiple: int) -> None:
+    if group_size <= 0 or k % group_size or group_size % multiple:
+        raise ValueError(f"group_size {group_size} must divide in_features {k} and be a multiple of {multiple}")
+
+
+def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> Int8Weight:
+    """Symmetric int8, one scale per ``group_size`` inputs (None: per output channel)."""
+    n, k = w.shape
+    g = k if group_size is None else group_size
+    _check_groups(k, g, 1)
+    groups = w.detach().float().reshape(n, k // g, g)
+    scales = (groups.abs().amax(dim=-1) / 127.0).clamp(min=1e-12)
+    q = torch.round(groups / scales[:, :, None]).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(q.view(n, k).contiguous(), scales.contiguous())
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [N, K // 2] uint8 in Q4_0 nibble order."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).view(n, k // BLOCK, BLOCK)
+    return (blocks[..., : BLOCK // 2] | (blocks[..., BLOCK // 2:] << 4)).reshape(n, k // 2).contiguous()
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
+    """Asymmetric int4 per group: scale (max - min) / 15, zero point round(-min / scale)."""
+    n, k = w.shape
+    _check_groups(k, group_size, BLOCK)
+    groups = w.detach().float().reshape(n, k // group_size, group_size)
+    lo = groups.amin(dim=-1).clamp(max=0.0)
+    hi = groups.amax(dim=-1).clamp(min=0.0)
+    scales = ((hi - lo) / 15.0).clamp(min=1e-12)
+    zeros = torch.round(-lo / scales).clamp(0, 15)
+    q = torch.round(groups / scales[:, :, None] + zeros[:, :, None]).clamp(0, 15)
+    return Int4Weight(pack_nibbles(q.view(n, k)), scales.contiguous(), zeros.contiguous())
+
+
+def reference_linear(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:
+    """The definition: float32 matmul with the dequantized weight, result in x's dtype."""
+    return F.linear(x.float(), weight.dequantize(torch.float32)).to(x.dtype)
