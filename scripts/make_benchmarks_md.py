@@ -18,8 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-KIND_ORDER = ("peers", "latency", "profile", "throughput", "sweep", "compare", "workloads", "quant_kernels",
-              "quant_e2e", "serve")
+KIND_ORDER = ("peers", "latency", "profile", "throughput", "sweep", "compare", "workloads", "structured",
+              "quant_kernels", "quant_e2e", "serve")
 TITLES = {
     "latency": "Latency: decode tokens/s vs the roofline, speculation vs none",
     "profile": "Profile of one decode step: where the time goes",
@@ -29,6 +29,7 @@ TITLES = {
     "peers": "specdec vs vLLM CPU and llama.cpp (each configuration in its own process, interleaved rounds)",
     "workloads": "Draft-free speculation on grounded, open-ended and batched work",
     "serve": "HTTP serving load test",
+    "structured": "Structured output: speculation with and without a grammar (JSON extraction, tool calls)",
     "quant_kernels": "int8 / int4 weight-only matmul kernels against the copy bandwidth",
     "quant_e2e": "float32 vs int8 vs int4 weights end to end (single thread)",
     "other": "Other recorded results",
@@ -255,6 +256,15 @@ def goals_table(results: list[tuple[Path, dict]]) -> str:
                     "(wider sample)", wide.get("mean_acceptance_length"), 2.5)
         add("default_pair_eval", "embedded default pair: a real speedup (auto K) over no speculation",
             default.get("speedup"), 1.0)
+    structured = by_name.get("structured_default_pair")
+    if structured:
+        for key, w in structured["batches"].items():
+            spec, free = w["rows"]["spec/json"], w["rows"]["spec/free"]
+            add("structured_default_pair", f"structured output, {key}: grammar share of the speculative step "
+                "< 5%", spec["grammar_share"] * 100, 5.0, higher=False, shown=f"{spec['grammar_share']:.1%}")
+            add("structured_default_pair", f"structured output, {key}: speculative speedup with the grammar >= "
+                f"the unconstrained one ({free['speedup_vs_off']:.2f})", spec["speedup_vs_off"],
+                free["speedup_vs_off"])
     if not rows:
         return ""
     return ("## Goals of the issues against the recorded results\n\n"
