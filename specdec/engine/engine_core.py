@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from specdec.config import EngineConfig
-from specdec.engine.builder import resolve_model_info, tokenizer_path
+from specdec.engine.builder import resolve_model_info
 from specdec.engine.kv_cache_manager import KVCacheManager
 from specdec.engine.output_processor import OutputProcessor
 from specdec.engine.request import Request, RequestStatus
@@ -23,7 +23,7 @@ from specdec.profiling import profile_range
 from specdec.sampling_params import SamplingParams
 from specdec.spec_decode.controller import SpecController
 from specdec.spec_decode.metrics import SpecDecodeMetrics
-from specdec.structured_output.backend import get_backend
+from specdec.structured_output.backend import backend_key, get_backend
 from specdec.structured_output.params import StructuredOutputsParams
 from specdec.worker.worker import Worker
 
@@ -105,7 +105,7 @@ class EngineCore:
     def compile_grammar(self, params: StructuredOutputsParams):
         """Compile (or find in the cache) a request's grammar; a ``ValueError`` naming the field
         if it does not compile. Thread-safe: a server may call it before queueing the request."""
-        key = (tokenizer_path(self.config, self.model_path), self.vocab_size, tuple(self.eos_token_ids))
+        key = backend_key(self.config, self.model_path, self.vocab_size, self.eos_token_ids)
         return get_backend(key, lambda: self.tokenizer).compile(params)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:

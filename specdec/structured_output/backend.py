@@ -116,6 +116,14 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def backend_key(cfg, model_path: str, vocab_size: int, eos_token_ids) -> tuple:
+    """The key under which an engine and its workers find one backend: (tokenizer path,
+    vocab size, EOS ids)."""
+    from specdec.engine.builder import tokenizer_path
+
+    return tokenizer_path(cfg, model_path), vocab_size, tuple(eos_token_ids)
+
+
 def get_backend(key: tuple, tokenizer_loader) -> GrammarBackend:
     """The process's backend for ``key`` = (tokenizer path, vocab size, EOS ids), built once
     (the engine and an in-process worker share it, and with it the compile cache)."""

@@ -167,18 +167,20 @@ def _prune(reqs: list[CachedRequestState], proposal: DraftProposal) -> DraftProp
 
 
 def verification_bitmask(reqs: list[CachedRequestState], histories: list[list[list[int]]],
-                         vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
+                         vocab_size: int) -> tuple[torch.Tensor, list[int], list[int]] | None:
     """Masks for the target's verification rows (request-major, ``histories[k]`` = request k's
-    rows): (bitmask [rows, words], the rows that are constrained); None if none is."""
+    rows): (bitmask [rows, words], the constrained rows to mask in full, the constrained rows
+    of greedy requests without logprobs, whose argmax alone is read); None if none is constrained."""
     if all(r.grammar is None for r in reqs):
         return None
     bitmask = GrammarState.allocate(sum(len(h) for h in histories), vocab_size)
-    rows, states, first = [], [], 0
+    full, lazy, states, first = [], [], [], 0
     for req, paths in zip(reqs, histories):
         if req.grammar is not None:
             req.grammar.path_masks(paths, bitmask, first)
-            rows.extend(range(first, first + len(paths)))
+            p = req.sampling_params
+            (lazy if p.is_greedy and p.logprobs is None else full).extend(range(first, first + len(paths)))
             states.extend([req.grammar] * len(paths))
         first += len(paths)
-    end_dead_ends(bitmask, rows, states)
-    return bitmask, rows
+    end_dead_ends(bitmask, sorted(full + lazy), states)
+    return bitmask, full, lazy

@@ -14,14 +14,14 @@ import time
 import torch
 
 from specdec.config import EngineConfig
-from specdec.engine.builder import load_tokenizer, tokenizer_path
+from specdec.engine.builder import load_tokenizer
 from specdec.engine.scheduler_output import SchedulerOutput
 from specdec.layers.logits_processor import process_target_logits
 from specdec.layers.sampler import SamplingMetadata
 from specdec.profiling import profile_range
 from specdec.spec_decode.proposer import DraftProposal
 from specdec.spec_decode.verifier import Verification
-from specdec.structured_output.backend import get_backend
+from specdec.structured_output.backend import backend_key, get_backend
 from specdec.structured_output.grammar_state import GrammarState
 from specdec.structured_output.masking import GRAMMAR_CLOCK, apply_bitmask, prune_proposal, verification_bitmask
 from specdec.worker.model_runner_output import ModelRunnerOutput
@@ -48,7 +48,7 @@ class Worker:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.requests: dict[str, CachedRequestState] = {}
-        self._grammar_key = (tokenizer_path(cfg, model_path), vocab_size, tuple(eos_token_ids))
+        self._grammar_key = backend_key(cfg, model_path, vocab_size, eos_token_ids)
         self.forced_tokens = cfg.structured_outputs_forced_tokens
 
     @property
@@ -166,19 +166,13 @@ class Worker:
 
     @staticmethod
     def _grammar_masks(vreqs, histories, logits):
-        """Mask the verification rows of constrained requests that sample or want logprobs now
-        (the logprobs are then the constrained distribution's); returns (bitmask, those rows,
-        the greedy rows, to be checked after the logits processors)."""
+        """Mask now the verification rows of constrained requests that sample or want logprobs
+        (the logprobs are then the constrained distribution's); returns (bitmask, those rows, the
+        greedy rows, checked after the logits processors)."""
         if all(r.grammar is None for r in vreqs):
             return None
         with GRAMMAR_CLOCK.timed():
-            bitmask, rows = verification_bitmask(vreqs, histories, logits.shape[1])
-            full, lazy, first = [], [], 0
-            for req, h in zip(vreqs, histories):
-                if req.grammar is not None:
-                    p = req.sampling_params
-                    (lazy if p.is_greedy and p.logprobs is None else full).extend(range(first, first + len(h)))
-                first += len(h)
+            bitmask, full, lazy = verification_bitmask(vreqs, histories, logits.shape[1])
             apply_bitmask(logits, bitmask, full, fallback_uniform=False)
         return bitmask, full, lazy
 
