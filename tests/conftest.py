@@ -83,6 +83,23 @@ def llama_path(make_model) -> str:
 
 
 @pytest.fixture(scope="session")
+def eagle_head_path(llama_path, tmp_path_factory) -> str:
+    """A random EAGLE head for ``llama_path``, its matrices scaled up: drafts that differ from
+    "repeat f_p"."""
+    from specdec.models.eagle import init_head, save_head
+    from specdec.models.loader import load_model
+
+    head = init_head(load_model(llama_path, torch.float32, torch.device("cpu")), seed=1)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.mul_(10.0)
+    out = tmp_path_factory.mktemp("eagle") / "head"
+    save_head(head, out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def other_draft_path(make_model) -> str:
     """An unrelated draft (different seed, one layer): its guesses are mostly rejected."""
     return make_model("other_draft", arch="llama", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,

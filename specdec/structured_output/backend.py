@@ -1,9 +1,8 @@
 """The grammar engine (xgrammar): one compiler per tokenizer, compiled grammars cached.
 
-xgrammar was chosen by measured mask time on a 2-core Zen 5 CPU (JSON schema, per decode
-step; see the commit that added it): 0.01-0.02 ms at batch 1 and 0.16-0.7 ms at batch 32,
-against llguidance's 0.12-0.34 and 0.66-0.95 ms; it also rolls a matcher back and forks it,
-which verifying drafted tokens needs. A compiled grammar is reused by every request with the
+xgrammar was chosen over llguidance by measured mask time on a 2-core CPU (the figures are in
+the commit that added it); it also rolls a matcher back and forks it, which verifying drafted
+tokens needs. A compiled grammar is reused by every request with the
 same constraint (the most recent ones by constraint, the rest through the compiler's cache,
 which is bounded in bytes).
 """
@@ -47,7 +46,7 @@ class GrammarBackend:
 
         Every request is compiled twice (the engine checks it, the worker builds its matcher),
         and the compiler's own cache is keyed by grammar text: a JSON schema would still be
-        converted to EBNF each time (~0.6 ms for a medium schema with a 150k vocabulary). The
+        converted to EBNF each time (not free for a large schema and vocabulary). The
         most recent grammars are therefore kept by ``params.cache_key``; thread-safe (a server
         thread compiles while the engine steps)."""
         key = params.cache_key

@@ -8,7 +8,7 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.layers.attention import TORCH_BACKEND
-from specdec.models.eagle import dense_forward, init_head, load_head, save_head
+from specdec.models.eagle import dense_forward, load_head, save_head
 from specdec.models.loader import load_model
 from specdec.worker.model_runner import ModelRunner
 
@@ -21,15 +21,8 @@ def target(llama_path):
 
 
 @pytest.fixture(scope="module")
-def head_path(target, tmp_path_factory) -> str:
-    head = init_head(target, seed=1)
-    with torch.no_grad():  # larger weights than a fresh head: drafts that differ from "repeat f_p"
-        for p in head.parameters():
-            if p.dim() == 2:
-                p.mul_(10.0)
-    out = tmp_path_factory.mktemp("eagle") / "head"
-    save_head(head, out)
-    return str(out)
+def head_path(eagle_head_path) -> str:
+    return eagle_head_path
 
 
 def test_paged_head_matches_dense_reference(target, head_path):

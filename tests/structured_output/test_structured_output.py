@@ -7,11 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from specdec import LLM, SamplingParams
-from specdec.models.eagle import init_head, save_head
-from specdec.models.loader import load_model
 from specdec.structured_output import StructuredOutputsParams
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=256)
@@ -32,18 +29,6 @@ CONSTRAINTS = [
 
 def constrained(i: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=CONSTRAINTS[i % len(CONSTRAINTS)], **kw)
-
-
-@pytest.fixture(scope="module")
-def eagle_head(llama_path, tmp_path_factory) -> str:
-    head = init_head(load_model(llama_path, torch.float32, torch.device("cpu")), seed=1)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.dim() == 2:
-                p.mul_(10.0)
-    out = tmp_path_factory.mktemp("so_eagle") / "head"
-    save_head(head, out)
-    return str(out)
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +71,11 @@ def test_every_output_is_in_its_grammar(llama_path, plain_outputs, prompts):
     {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, "num_speculative_tokens": 4},
     {"method": "suffix", "num_speculative_tokens": 4},
 ], ids=["draft-chain", "draft-tree", "eagle-chain", "eagle-tree", "ngram", "suffix"])
-def test_greedy_speculative_equals_plain_constrained(llama_path, noisy_draft_path, eagle_head, plain_outputs,
+def test_greedy_speculative_equals_plain_constrained(llama_path, noisy_draft_path, eagle_head_path, plain_outputs,
                                                      prompts, spec):
     spec = dict(spec)
     if "model" in spec:
-        spec["model"] = {"noisy": noisy_draft_path, "eagle": eagle_head}[spec["model"]]
+        spec["model"] = {"noisy": noisy_draft_path, "eagle": eagle_head_path}[spec["model"]]
     llm = LLM(model=llama_path, **ENGINE, speculative_config=spec)
     # mixed batch: every third request unconstrained and sampled
     params = [constrained(i) if i % 3 else SamplingParams(temperature=0.8, seed=i, max_tokens=30)
