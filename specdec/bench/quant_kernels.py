@@ -60,7 +60,7 @@ def candidate_kernels(group_size: int) -> dict:
         q = quantize_int4(w, group_size)
         # PyTorch's format: [N, K] int32 values 0..15, scale_and_zero [K/G, N, 2] with w = (q - 8) * s + zero
         packed = torch._convert_weight_to_int4pack_for_cpu(q.unpacked().to(torch.int32), 1)
-        zero = (8 - q.zeros) * q.scales  # [N, G]: (q - z) s = (q - 8) s + (8 - z) s
+        zero = 8 * q.scales + q.offsets  # [N, G]: q s + o = (q - 8) s + (8 s + o)
         sz = torch.stack([q.scales, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
         return (lambda x: torch._weight_int4pack_mm_for_cpu(x, packed, group_size, sz)), q.nbytes
 

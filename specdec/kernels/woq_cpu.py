@@ -81,4 +81,4 @@ def linear(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:
         return reference_linear(x, weight)
     if isinstance(weight, Int8Weight):
         return ops.int8_linear(x, weight.qweight, weight.scales)
-    return ops.int4_linear(x, weight.packed, weight.scales, weight.zeros)
+    return ops.int4_linear(x, weight.packed, weight.scales, weight.offsets)

@@ -5,10 +5,12 @@ Both keep the weight in its ``[N, K]`` (out, in) orientation with scales per gro
 
 - ``Int8Weight``: ``w[n, k] = qweight[n, k] * scales[n, k // G]`` (symmetric, int8). GGUF Q8_0
   is this format with G = 32.
-- ``Int4Weight``: ``w[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G]`` with q in 0..15
+- ``Int4Weight``: ``w[n, k] = q[n, k] * scales[n, k // G] + offsets[n, k // G]`` with q in 0..15
   two to a byte in GGUF Q4_0's nibble order: in each block of 32 inputs, byte j holds input j in
   its low nibble and input j + 16 in its high nibble. GGUF Q4_0 is this format with G = 32 and
-  zeros 8; ``quantize_int4`` picks per-group min/max scales and zero points (asymmetric).
+  offsets -8 d, Q4_1 and Q4_K (per 32-input sub-block: d * sc and -dmin * m) with G = 32 after
+  reordering Q4_K's nibbles; ``quantize_int4`` picks per-group min/max scales and integer zero
+  points z (asymmetric: offsets -z * scale).
 
 ``reference_linear`` (dequantize, then ``F.linear`` in float32) is the definition every fast
 kernel is tested against: weight-only, the activations stay exact. (Rounding them to int8 too, as
@@ -50,7 +52,7 @@ class Int8Weight:
 class Int4Weight:
     packed: torch.Tensor  # [N, K // 2] uint8, Q4_0 nibble order
     scales: torch.Tensor  # [N, K // G] float32
-    zeros: torch.Tensor  # [N, K // G] float32 (integers 0..15)
+    offsets: torch.Tensor  # [N, K // G] float32: the weight where q = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -74,7 +76,7 @@ class Int4Weight:
         n, k = self.shape
         exact = torch.float64 if dtype == torch.float64 else torch.float32
         q = self.unpacked().to(exact).view(n, -1, self.group_size)
-        w = (q - self.zeros.to(exact)[:, :, None]) * self.scales.to(exact)[:, :, None]
+        w = q * self.scales.to(exact)[:, :, None] + self.offsets.to(exact)[:, :, None]
         return w.view(n, k).to(dtype)
 
 
@@ -111,7 +113,7 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
     scales = ((hi - lo) / 15.0).clamp(min=1e-12)
     zeros = torch.round(-lo / scales).clamp(0, 15)
     q = torch.round(groups / scales[:, :, None] + zeros[:, :, None]).clamp(0, 15)
-    return Int4Weight(pack_nibbles(q.view(n, k)), scales.contiguous(), zeros.contiguous())
+    return Int4Weight(pack_nibbles(q.view(n, k)), scales.contiguous(), (-zeros * scales).contiguous())
 
 
 def reference_linear(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:

@@ -63,7 +63,7 @@ class WeightOnlyLinear(nn.Module):
         self.int4 = isinstance(weight, Int4Weight)
         if self.int4:
             self.register_buffer("packed", weight.packed)
-            self.register_buffer("zeros", weight.zeros)
+            self.register_buffer("offsets", weight.offsets)
         else:
             self.register_buffer("weight_int8", weight.qweight)
         self.register_buffer("scales", weight.scales)
@@ -72,7 +72,7 @@ class WeightOnlyLinear(nn.Module):
 
     def quantized_weight(self) -> Int8Weight | Int4Weight:
         if self.int4:
-            return Int4Weight(self.packed, self.scales, self.zeros)
+            return Int4Weight(self.packed, self.scales, self.offsets)
         return Int8Weight(self.weight_int8, self.scales)
 
     def dequantized_weight(self) -> torch.Tensor:

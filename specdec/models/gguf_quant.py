@@ -9,7 +9,7 @@ Other types (Q4_K, Q6_K, ...) are dequantized by ``gguf_convert`` as before. spe
 and gate/up into one linear, so a fused group stays quantized only if all its parts share one
 kept type; llama.cpp's row permutation of Llama Q/K is undone on the quantized rows.
 ``woq/linears.safetensors`` holds ``<module>.qweight`` + ``.scales`` (int8) or ``.packed`` +
-``.scales`` + ``.zeros`` (int4), under specdec module names (``layers.0.self_attn.qkv_proj``).
+``.scales`` + ``.offsets`` (int4), under specdec module names (``layers.0.self_attn.qkv_proj``).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _blocks_to_weight(data: np.ndarray, qtype: int) -> Int8Weight | Int4Weight:
     payload = torch.from_numpy(blocks[..., 2:].copy().reshape(n, -1))
     if qtype == _Q8_0:
         return Int8Weight(payload.view(torch.int8).contiguous(), scales.contiguous())
-    return Int4Weight(payload.contiguous(), scales.contiguous(), torch.full_like(scales, 8.0))
+    return Int4Weight(payload.contiguous(), scales.contiguous(), -8.0 * scales)
 
 
 def _unpermute_rows(weight: Int8Weight | Int4Weight, num_heads: int) -> Int8Weight | Int4Weight:
@@ -52,13 +52,13 @@ def _unpermute_rows(weight: Int8Weight | Int4Weight, num_heads: int) -> Int8Weig
         return t.reshape(num_heads, dim, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
     if isinstance(weight, Int8Weight):
         return Int8Weight(rows(weight.qweight), rows(weight.scales))
-    return Int4Weight(rows(weight.packed), rows(weight.scales), rows(weight.zeros))
+    return Int4Weight(rows(weight.packed), rows(weight.scales), rows(weight.offsets))
 
 
 def _concat(parts: list) -> Int8Weight | Int4Weight:
     if isinstance(parts[0], Int8Weight):
         return Int8Weight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]))
-    return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("packed", "scales", "zeros")))
+    return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("packed", "scales", "offsets")))
 
 
 def read_quantized_linears(gguf_path: Path, config, architecture: str) -> tuple[dict, set[str]]:
@@ -103,7 +103,7 @@ def save_quantized_linears(linears: dict, folder: Path) -> None:
 
     tensors = {}
     for module, w in linears.items():
-        fields = ("qweight", "scales") if isinstance(w, Int8Weight) else ("packed", "scales", "zeros")
+        fields = ("qweight", "scales") if isinstance(w, Int8Weight) else ("packed", "scales", "offsets")
         tensors.update({f"{module}.{f}": getattr(w, f).contiguous() for f in fields})
     (folder / WOQ_FILE).parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / WOQ_FILE), metadata={"format": "specdec-woq-1"})
@@ -118,7 +118,7 @@ def load_quantized_linears(folder: str | Path) -> dict[str, Int8Weight | Int4Wei
         return {}
     tensors = load_file(str(path))
     modules = {name.rsplit(".", 1)[0] for name in tensors}
-    return {m: (Int4Weight(tensors[f"{m}.packed"], tensors[f"{m}.scales"], tensors[f"{m}.zeros"])
+    return {m: (Int4Weight(tensors[f"{m}.packed"], tensors[f"{m}.scales"], tensors[f"{m}.offsets"])
                 if f"{m}.packed" in tensors else Int8Weight(tensors[f"{m}.qweight"], tensors[f"{m}.scales"]))
             for m in modules}
 

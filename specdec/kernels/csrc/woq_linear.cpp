@@ -1,6 +1,6 @@
 // Weight-only int8 / int4 linear for x86 CPUs with AVX-512: y[M, N] = x[M, K] @ dequant(W)[N, K]^T.
 //
-// The weight is dequantised in registers (int -> fp32, times the group scale, plus the int4 zero
+// The weight is dequantised in registers (int -> fp32, times the group scale, plus the int4 offset
 // term) and multiplied with float32 FMAs; activations stay float32 (bf16 input is widened once),
 // so the result is float32 math on the dequantised weight, as woq_format.reference_linear.
 // Quantising the activations too (VNNI) was faster past one row but made the layer a step
@@ -58,9 +58,9 @@ void int8_tile(const float* x, int64_t ldx, const int8_t* w, const float* scales
 }
 
 // int4 in Q4_0 nibble order: per 32 inputs, 16 bytes, low nibble = input j, high = input j + 16.
-// w = q * s + (-z * s): one FMA dequantises 16 weights for all rows of the tile.
+// w = q * s + o: one FMA dequantises 16 weights for all rows of the tile.
 template <int NB, int MB>
-void int4_tile(const float* x, int64_t ldx, const uint8_t* w, const float* scales, const float* zeros, int64_t K,
+void int4_tile(const float* x, int64_t ldx, const uint8_t* w, const float* scales, const float* offsets, int64_t K,
                int64_t G, float* y, int64_t ldy) {
   __m512 acc[NB][MB], acc_hi[NB][MB];  // two chains per dot product: inputs j and j + 16 of each block
   for (int n = 0; n < NB; ++n)
@@ -71,7 +71,7 @@ void int4_tile(const float* x, int64_t ldx, const uint8_t* w, const float* scale
     __m512 s[NB], zs[NB];
     for (int n = 0; n < NB; ++n) {
       s[n] = _mm512_set1_ps(scales[n * num_groups + g]);
-      zs[n] = _mm512_set1_ps(-zeros[n * num_groups + g] * scales[n * num_groups + g]);
+      zs[n] = _mm512_set1_ps(offsets[n * num_groups + g]);
     }
     for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
       __m512 lo[NB], hi[NB];
@@ -158,10 +158,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                       const at::Tensor& zeros) {
+                       const at::Tensor& offsets) {
   TORCH_CHECK(packed.dtype() == at::kByte && packed.is_contiguous() && scales.dtype() == at::kFloat &&
-              scales.is_contiguous() && zeros.dtype() == at::kFloat && zeros.is_contiguous(),
-              "woq int4: uint8 [N, K / 2] weight, float32 [N, K / G] scales and zeros, contiguous");
+              scales.is_contiguous() && offsets.dtype() == at::kFloat && offsets.is_contiguous(),
+              "woq int4: uint8 [N, K / 2] weight, float32 [N, K / G] scales and offsets, contiguous");
   const int64_t N = packed.size(0), K = 2 * packed.size(1), G = K / scales.size(1);
   TORCH_CHECK(G % 32 == 0 && scales.size(1) * G == K, "woq int4: the group size must be a multiple of 32");
   const at::Tensor xf = as_float_rows(x, K);
@@ -170,7 +170,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const float* xp = xf.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
-  const float* zp = zeros.data_ptr<float>();
+  const float* zp = offsets.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ng = K / G;
   blocks_loop<2>(M, N, [&](auto nb, auto mb, int64_t n0, int64_t m0) {  // 4 x 2 x 4 accumulators
@@ -182,5 +182,5 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 TORCH_LIBRARY(specdec_woq, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor", &int8_linear);
-  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor zeros) -> Tensor", &int4_linear);
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets) -> Tensor", &int4_linear);
 }
