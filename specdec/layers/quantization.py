@@ -3,11 +3,12 @@
 - ``PackedLinear``: on CPU, bf16 weights pre-packed once into oneDNN's blocked layout, so a
   decode-sized matmul streams the weight at close to memory bandwidth (measured ~1.3-1.5x
   ``F.linear`` at 1-32 rows on the development machine).
-- ``WeightOnlyLinear`` (``"int8"``: symmetric per output channel; ``"int4"``: scale and zero
-  point per group of 128 inputs, LM head at int8): the weight stays quantized in memory, so a
+- ``WeightOnlyLinear`` (``"int8"``: symmetric per output channel; ``"int4"``: scale and
+  offset per group of 128 inputs, LM head at int8): the weight stays quantized in memory, so a
   memory-bound step reads about a quarter (int8) or an eighth (int4) of float32's bytes; the CPU
-  kernel dequantises it in registers and multiplies in float32 (``specdec.kernels.woq_cpu``). GGUF Q8_0 / Q4_0 tensors load
-  straight into this layer (``specdec.models.gguf_quant``). The quantized weights *are* the
+  kernel dequantises it in registers and multiplies in float32 (``specdec.kernels.woq_cpu``). GGUF Q8_0, Q5_0,
+  Q6_K, Q4_0, Q4_1 and Q4_K tensors load straight into this layer (``specdec.models.gguf_quant``;
+  ``PartsLinear`` for a fused q/k/v whose parts differ in format). The quantized weights *are* the
   target: speculation is lossless with respect to them.
 - ``DynamicInt8Linear`` (``"int8_dynamic"``): int8 weights (per-channel) and per-call int8
   activations through PyTorch's fbgemm dynamic-quantized linear; 2-3x faster than packed bf16
@@ -27,7 +28,7 @@ from specdec.kernels import woq_cpu
 from specdec.kernels.woq_format import Int4Weight, Int8Weight, quantize_int4, quantize_int8
 from specdec.layers.fp8 import Fp8Linear
 
-INT4_GROUP_SIZE = 128  # inputs per int4 scale / zero point: 4.5 bits per weight with float32 scales
+INT4_GROUP_SIZE = 128  # inputs per int4 scale / offset: 4.5 bits per weight with float32 scales
 
 
 def _can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -90,7 +91,28 @@ class WeightOnlyLinear(nn.Module):
         return f"{kind}, in={self.in_features}, out={self.out_features}, group={self.quantized_weight().group_size}"
 
 
-def weight_shape(weight: Int8Weight | Int4Weight) -> tuple[int, int]:
+class PartsLinear(nn.Module):
+    """A fused linear whose row blocks are in different quantized formats (a GGUF Q4_K_M q/k/v:
+    Q4_K q and k, Q6_K v): one ``WeightOnlyLinear`` per part, outputs concatenated."""
+
+    def __init__(self, parts: tuple, bias: torch.Tensor | None, compute_dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = weight_shape(parts)
+        self.parts = nn.ModuleList(WeightOnlyLinear(p, None, compute_dtype) for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return torch.cat([p.dequantized_weight() for p in self.parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([p(x) for p in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias
+
+
+def weight_shape(weight: Int8Weight | Int4Weight | tuple) -> tuple[int, int]:
+    if isinstance(weight, tuple):
+        shapes = [weight_shape(p) for p in weight]
+        return sum(n for n, _ in shapes), shapes[0][1]
     return tuple(weight.shape) if isinstance(weight, Int4Weight) else tuple(weight.qweight.shape)
 
 
@@ -105,7 +127,7 @@ def Int8Linear(linear: nn.Linear, group_size: int | None = None) -> WeightOnlyLi
 
 
 def Int4Linear(linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> WeightOnlyLinear:
-    """Weight-only int4 with a scale and zero point per group of inputs: ``group_size``, or the
+    """Weight-only int4 with a scale and offset per group of inputs: ``group_size``, or the
     largest of its halves (down to 32) that divides in_features; int8 per channel if none does."""
     group = group_size
     while linear.in_features % group and group > 32:

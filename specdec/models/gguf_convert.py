@@ -9,8 +9,9 @@ name the tensors (so no `accelerate` and no fp32 copy of the whole model), a com
 two tokenizer fixes that make the rebuilt tokenizer match the upstream `tokenizer.json`, and a
 `generation_config.json` with every end-of-generation id llama.cpp would stop on.
 
-Q8_0 and Q4_0 linear weights are not dequantized: `gguf_quant` keeps them in their blocks
-(`woq/linears.safetensors`), and the loader builds int8 / int4 layers from them.
+With `keep_quantized` (the default), Q8_0, Q5_0, Q6_K, Q4_0, Q4_1 and Q4_K linear weights are
+not dequantized: `gguf_quant` keeps them in their blocks (`woq/linears.safetensors`), and the
+loader builds int8 / int4 layers from them.
 
 `convert_gguf` writes into a fresh folder and is not atomic by itself; `hub.py` builds in a
 temporary folder and renames it into place.
@@ -36,9 +37,9 @@ _END_OF_GENERATION_TOKENS = (
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
-                 progress: bool = True) -> Path:
+                 progress: bool = True, keep_quantized: bool = True) -> Path:
     """Write `out_dir/{model.safetensors,config.json,tokenizer*.json,generation_config.json}` (and
-    `woq/linears.safetensors` when the file has Q8_0 / Q4_0 linears).
+    `woq/linears.safetensors` when the file has linears of a kept type and `keep_quantized`).
 
     `out_dir` must not exist yet or be empty. Raises ValueError for an architecture outside
     SUPPORTED_ARCHITECTURES or a file whose tensors do not cover the model.
@@ -50,7 +51,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: torch.dty
     metadata = read_gguf_metadata(gguf_path)
     config = read_config(gguf_path)
     config.dtype = dtype
-    quantized, replaced = read_quantized_linears(gguf_path, config, metadata["architecture"])
+    quantized, replaced = (read_quantized_linears(gguf_path, config, metadata["architecture"]) if keep_quantized
+                           else ({}, set()))
     tensors = read_weights(gguf_path, config, metadata, dtype=dtype, progress=progress, kept_quantized=replaced)
     save_weights(tensors, out_dir / "model.safetensors")
     if quantized:

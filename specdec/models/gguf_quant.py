@@ -1,15 +1,28 @@
-"""GGUF Q8_0 / Q4_0 linear weights kept quantized: read from the file, stored beside the converted
+"""GGUF quantized linear weights kept quantized: read from the file, stored beside the converted
 folder, loaded into ``WeightOnlyLinear`` (``specdec.layers.quantization``) without a float copy.
 
-Both types map onto specdec's formats (``specdec.kernels.woq_format``) exactly, block for block:
-- Q8_0, 34 bytes per 32 inputs: fp16 d, then 32 int8 q; w = q * d -> ``Int8Weight`` with G = 32.
-- Q4_0, 18 bytes per 32 inputs: fp16 d, then 16 bytes of nibbles (byte j: input j low, j + 16
-  high); w = (q - 8) * d -> ``Int4Weight`` with G = 32, zero points 8, the same nibble order.
-Other types (Q4_K, Q6_K, ...) are dequantized by ``gguf_convert`` as before. specdec fuses q/k/v
-and gate/up into one linear, so a fused group stays quantized only if all its parts share one
-kept type; llama.cpp's row permutation of Llama Q/K is undone on the quantized rows.
+Each kept type maps onto one of specdec's formats (``specdec.kernels.woq_format``) exactly: the
+weight the kernel computes with is, value for value, the ``gguf`` package's dequantization.
+
+| GGUF type | block | specdec format |
+|---|---|---|
+| Q8_0 | 32: fp16 d, int8 q; w = d q | ``Int8Weight``, G = 32 |
+| Q5_0 | 32: fp16 d, 5-bit q; w = d (q - 16) | ``Int8Weight``, G = 32 (q - 16 in int8) |
+| Q6_K | 256: 16 int8 scales, fp16 d, 6-bit q; w = d sc (q - 32) per 16 | ``Int8Weight``, G = 16 |
+| Q4_0 | 32: fp16 d, 4-bit q; w = d (q - 8) | ``Int4Weight``, G = 32, offsets -8 d |
+| Q4_1 | 32: fp16 d, fp16 m, 4-bit q; w = d q + m | ``Int4Weight``, G = 32, offsets m |
+| Q4_K | 256: fp16 d, dmin, 6-bit sc / m per 32, 4-bit q; w = d sc q - dmin m | ``Int4Weight``, G = 32 |
+
+The integer codes come from ``gguf``'s own dequantizer run over a copy of the blocks whose
+scales are set to one (and mins to zero), so no bit layout is decoded here; the scales and
+offsets are computed as ``gguf`` computes them. Other types (Q5_K, Q3_K, ...) are dequantized by
+``gguf_convert`` as before. specdec fuses q/k/v and gate/up into one linear: parts of one format
+are concatenated (int8 scales repeated down to the smallest group), and a group whose parts
+have different formats (Q4_K_M's Q4_K q/k with a Q6_K v) is kept as a list of parts. llama.cpp's
+row permutation of Llama Q/K is undone on the quantized rows.
 ``woq/linears.safetensors`` holds ``<module>.qweight`` + ``.scales`` (int8) or ``.packed`` +
-``.scales`` + ``.offsets`` (int4), under specdec module names (``layers.0.self_attn.qkv_proj``).
+``.scales`` + ``.offsets`` (int4), under specdec module names (``layers.0.self_attn.qkv_proj``),
+with ``<module>.part<i>.<field>`` for the parts of a mixed group.
 """
 from __future__ import annotations
 
@@ -19,10 +32,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from specdec.kernels.woq_format import BLOCK, Int4Weight, Int8Weight
+from specdec.kernels.woq_format import Int4Weight, Int8Weight, pack_nibbles
 
 WOQ_FILE = Path("woq") / "linears.safetensors"
-_Q8_0, _Q4_0 = 8, 2  # gguf.GGMLQuantizationType values
+WOQ_FORMAT = "specdec-woq-2"
 _PARTS = {  # GGUF tensor (per layer) -> (specdec module, part index in the fused module)
     "attn_q": ("self_attn.qkv_proj", 0), "attn_k": ("self_attn.qkv_proj", 1), "attn_v": ("self_attn.qkv_proj", 2),
     "attn_output": ("self_attn.o_proj", 0), "ffn_gate": ("mlp.gate_up_proj", 0), "ffn_up": ("mlp.gate_up_proj", 1),
@@ -31,18 +44,76 @@ _PARTS = {  # GGUF tensor (per layer) -> (specdec module, part index in the fuse
 _NUM_PARTS = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2}
 _HF_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+_FP16_ONE = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+
+
+def _quants():
+    from gguf import GGMLQuantizationType as T, quants
+    return T, quants
+
+
+def kept_types() -> dict[int, tuple[int, int]]:
+    """{GGML type value: (inputs per block, bytes per block)} of the types kept quantized."""
+    T, _ = _quants()
+    from gguf import GGML_QUANT_SIZES
+    return {int(t): GGML_QUANT_SIZES[t] for t in (T.Q8_0, T.Q5_0, T.Q6_K, T.Q4_0, T.Q4_1, T.Q4_K)}
+
+
+def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """[n, blocks] float32 of the fp16 field at byte ``at`` of each block."""
+    return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _codes(qtype: int, blocks: np.ndarray, unit: dict[int, np.ndarray]) -> np.ndarray:
+    """The integer codes of [n, nb, bytes] blocks: ``gguf``'s dequantization with the header bytes
+    in ``unit`` (byte offset -> bytes) overwritten by unit scales. -> [n, nb * block] float32."""
+    _, quants = _quants()
+    from gguf import GGMLQuantizationType
+    ones = blocks.copy()
+    for at, value in unit.items():
+        ones[..., at:at + len(value)] = value
+    n = blocks.shape[0]
+    return quants.dequantize(ones.reshape(n, -1), GGMLQuantizationType(qtype)).reshape(n, -1)
 
 
 def _blocks_to_weight(data: np.ndarray, qtype: int) -> Int8Weight | Int4Weight:
     """Raw GGUF rows [N, bytes per row] -> the matching specdec format."""
+    T, quants = _quants()
+    per_block, size = kept_types()[qtype]
     n = data.shape[0]
-    size = 34 if qtype == _Q8_0 else 18
     blocks = np.ascontiguousarray(data).reshape(n, -1, size)
-    scales = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
-    payload = torch.from_numpy(blocks[..., 2:].copy().reshape(n, -1))
-    if qtype == _Q8_0:
-        return Int8Weight(payload.view(torch.int8).contiguous(), scales.contiguous())
-    return Int4Weight(payload.contiguous(), scales.contiguous(), -8.0 * scales)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
+    if qtype == T.Q8_0:
+        payload = torch.from_numpy(blocks[..., 2:].copy().reshape(n, -1))
+        return Int8Weight(payload.view(torch.int8).contiguous(), t(_fp16(blocks, 0)))
+    if qtype == T.Q4_0:
+        d = t(_fp16(blocks, 0))
+        return Int4Weight(torch.from_numpy(blocks[..., 2:].copy().reshape(n, -1)), d, -8.0 * d)
+    if qtype == T.Q4_1:  # nibbles already in Q4_0 order
+        return Int4Weight(torch.from_numpy(blocks[..., 4:].copy().reshape(n, -1)), t(_fp16(blocks, 0)),
+                          t(_fp16(blocks, 2)))
+    if qtype == T.Q5_0:
+        q = _codes(qtype, blocks, {0: _FP16_ONE})  # q - 16
+        return Int8Weight(torch.from_numpy(q.astype(np.int8)), t(_fp16(blocks, 0)))
+    if qtype == T.Q6_K:  # ql[128] qh[64] scales[16] (int8) d (fp16)
+        q = _codes(qtype, blocks, {192: np.ones(16, np.uint8), 208: _FP16_ONE})  # q - 32
+        scales = _fp16(blocks, 208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)
+        return Int8Weight(torch.from_numpy(q.astype(np.int8)), t(scales.reshape(n, -1)))
+    # Q4_K: d, dmin (fp16), 12 bytes of 6-bit scales / mins, qs[128]
+    unit_scales = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)  # every sc 1, every m 0
+    q = _codes(qtype, blocks, {0: _FP16_ONE, 2: np.zeros(2, np.uint8), 4: unit_scales})
+    sc, m = quants.Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
+    d = _fp16(blocks, 0).reshape(-1, 1) * sc.astype(np.float32)
+    dm = _fp16(blocks, 2).reshape(-1, 1) * m.astype(np.float32)
+    return Int4Weight(pack_nibbles(torch.from_numpy(q.astype(np.uint8))), t(d.reshape(n, -1)), t(-dm.reshape(n, -1)))
+
+
+def _fields(weight: Int8Weight | Int4Weight) -> tuple[str, ...]:
+    return ("qweight", "scales") if isinstance(weight, Int8Weight) else ("packed", "scales", "offsets")
+
+
+def _map_rows(weight: Int8Weight | Int4Weight, fn) -> Int8Weight | Int4Weight:
+    return type(weight)(*(fn(getattr(weight, f)) for f in _fields(weight)))
 
 
 def _unpermute_rows(weight: Int8Weight | Int4Weight, num_heads: int) -> Int8Weight | Int4Weight:
@@ -50,15 +121,22 @@ def _unpermute_rows(weight: Int8Weight | Int4Weight, num_heads: int) -> Int8Weig
     def rows(t: torch.Tensor) -> torch.Tensor:
         dim = t.shape[0] // num_heads // 2
         return t.reshape(num_heads, dim, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
-    if isinstance(weight, Int8Weight):
-        return Int8Weight(rows(weight.qweight), rows(weight.scales))
-    return Int4Weight(rows(weight.packed), rows(weight.scales), rows(weight.offsets))
+    return _map_rows(weight, rows)
 
 
-def _concat(parts: list) -> Int8Weight | Int4Weight:
+def _concat(parts: list) -> Int8Weight | Int4Weight | tuple:
+    """One weight over the parts' rows when they share a format, else the tuple of parts."""
+    if len(parts) == 1:
+        return parts[0]
+    if len({type(p) for p in parts}) > 1:
+        return tuple(parts)
     if isinstance(parts[0], Int8Weight):
-        return Int8Weight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]))
-    return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("packed", "scales", "offsets")))
+        group = min(p.group_size for p in parts)
+        scales = [p.scales.repeat_interleave(p.group_size // group, dim=1) for p in parts]
+        return Int8Weight(torch.cat([p.qweight for p in parts]), torch.cat(scales))
+    if len({p.group_size for p in parts}) > 1:
+        return tuple(parts)
+    return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in _fields(parts[0])))
 
 
 def read_quantized_linears(gguf_path: Path, config, architecture: str) -> tuple[dict, set[str]]:
@@ -66,10 +144,11 @@ def read_quantized_linears(gguf_path: Path, config, architecture: str) -> tuple[
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf_path))
+    types = kept_types()
     found: dict[str, dict[int, tuple[int, object]]] = {}
     for tensor in reader.tensors:
         qtype = int(tensor.tensor_type)
-        if qtype not in (_Q8_0, _Q4_0) or tensor.data.ndim != 2 or int(tensor.shape[0]) % BLOCK:
+        if qtype not in types or tensor.data.ndim != 2 or int(tensor.shape[0]) % types[qtype][0]:
             continue
         pieces = tensor.name.split(".")
         if tensor.name == "output.weight" and not config.tie_word_embeddings:
@@ -88,8 +167,8 @@ def read_quantized_linears(gguf_path: Path, config, architecture: str) -> tuple[
     for module, parts in found.items():
         kind = module.split(".", 2)[-1] if module != "lm_head" else module
         num_parts = _NUM_PARTS.get(kind, 1)
-        if len(parts) != num_parts or len({qtype for qtype, _ in parts.values()}) != 1:
-            continue  # a fused group with a part of another type: dequantized like that part
+        if len(parts) != num_parts:
+            continue  # a fused group with a part of a type not kept: dequantized like that part
         kept[module] = _concat([parts[i][1] for i in range(num_parts)])
         prefix = "" if module == "lm_head" else "model."
         layer = module.rsplit(".", 2)[0] if module != "lm_head" else ""
@@ -103,30 +182,48 @@ def save_quantized_linears(linears: dict, folder: Path) -> None:
 
     tensors = {}
     for module, w in linears.items():
-        fields = ("qweight", "scales") if isinstance(w, Int8Weight) else ("packed", "scales", "offsets")
-        tensors.update({f"{module}.{f}": getattr(w, f).contiguous() for f in fields})
+        for prefix, part in ([(f"{module}.part{i}", p) for i, p in enumerate(w)] if isinstance(w, tuple)
+                             else [(module, w)]):
+            tensors.update({f"{prefix}.{f}": getattr(part, f).contiguous() for f in _fields(part)})
     (folder / WOQ_FILE).parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / WOQ_FILE), metadata={"format": "specdec-woq-1"})
+    save_file(tensors, str(folder / WOQ_FILE), metadata={"format": WOQ_FORMAT})
 
 
-def load_quantized_linears(folder: str | Path) -> dict[str, Int8Weight | Int4Weight]:
+def load_quantized_linears(folder: str | Path) -> dict[str, Int8Weight | Int4Weight | tuple]:
     """The kept-quantized linears of a converted folder ({} when it has none)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     path = Path(folder) / WOQ_FILE
     if not path.is_file():
         return {}
+    with safe_open(str(path), framework="pt") as f:
+        fmt = (f.metadata() or {}).get("format")
+    if fmt != WOQ_FORMAT:
+        raise ValueError(f"{path} is in format {fmt!r}, this specdec reads {WOQ_FORMAT!r}: delete the converted "
+                         f"folder {folder} and load the .gguf again")
     tensors = load_file(str(path))
-    modules = {name.rsplit(".", 1)[0] for name in tensors}
-    return {m: (Int4Weight(tensors[f"{m}.packed"], tensors[f"{m}.scales"], tensors[f"{m}.offsets"])
-                if f"{m}.packed" in tensors else Int8Weight(tensors[f"{m}.qweight"], tensors[f"{m}.scales"]))
-            for m in modules}
+
+    def weight(prefix: str) -> Int8Weight | Int4Weight:
+        if f"{prefix}.packed" in tensors:
+            return Int4Weight(tensors[f"{prefix}.packed"], tensors[f"{prefix}.scales"], tensors[f"{prefix}.offsets"])
+        return Int8Weight(tensors[f"{prefix}.qweight"], tensors[f"{prefix}.scales"])
+
+    out: dict[str, Int8Weight | Int4Weight | tuple] = {}
+    for prefix in sorted({name.rsplit(".", 1)[0] for name in tensors}):
+        module, _, last = prefix.rpartition(".")
+        if last.startswith("part") and last[4:].isdigit():
+            out.setdefault(module, {})[int(last[4:])] = weight(prefix)
+        else:
+            out[prefix] = weight(prefix)
+    return {m: tuple(w[i] for i in sorted(w)) if isinstance(w, dict) else w for m, w in out.items()}
 
 
 def install_quantized_linears(model: nn.Module, linears: dict, dtype: torch.dtype, device: torch.device) -> None:
-    """Swap each named ``nn.Linear`` for a ``WeightOnlyLinear`` over its stored weight; a bias
-    stays a parameter of the new module, for the checkpoint loader to fill."""
-    from specdec.layers.quantization import WeightOnlyLinear, weight_shape
+    """Swap each named ``nn.Linear`` for a ``WeightOnlyLinear`` over its stored weight (a tuple of
+    parts: over its parts, outputs concatenated); a bias stays a parameter of the new module, for
+    the checkpoint loader to fill."""
+    from specdec.layers.quantization import PartsLinear, WeightOnlyLinear, weight_shape
 
     for name, weight in linears.items():
         parent_name, _, child = name.rpartition(".")
@@ -135,5 +232,6 @@ def install_quantized_linears(model: nn.Module, linears: dict, dtype: torch.dtyp
         if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != weight_shape(weight):
             raise ValueError(f"quantized GGUF weight {name!r} {weight_shape(weight)} does not fit the model's {old}")
         bias = None if old.bias is None else torch.empty(old.out_features, dtype=dtype, device=device)
-        new = WeightOnlyLinear(weight, bias, dtype).to(device)
+        new = (PartsLinear(weight, bias, dtype) if isinstance(weight, tuple) else WeightOnlyLinear(weight, bias, dtype))
+        new = new.to(device)
         setattr(parent, child, new)

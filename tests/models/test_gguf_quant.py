@@ -108,3 +108,136 @@ def test_speculation_over_a_kept_quantized_gguf_is_lossless(converted):
     llm = LLM(model=folder, **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     prompts = ["hello world hello world hello", "the world the world the"]
     assert greedy(llm, prompts) == greedy(llm, prompts, use_speculation=False)
+
+
+# --- K-quants and the other kept types, mixed as llama.cpp's Q4_K_M mixes them ---------------
+
+T = gguf.GGMLQuantizationType
+
+
+def _fp16_bytes(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).view(np.uint8).reshape(*x.shape[:-1], -1)
+
+
+def encode_q4_k(data: np.ndarray) -> np.ndarray:
+    """Rows -> Q4_K blocks (144 bytes per 256 inputs), min/max per 32 as llama.cpp's reference does."""
+    x = data.astype(np.float32).reshape(-1, 8, 32)
+    lo, hi = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 0)
+    sub_scale, sub_min = (hi - lo) / 15, -lo
+    d = np.maximum(sub_scale.max(-1, keepdims=True) / 63, 1e-8).astype(np.float16).astype(np.float32)
+    dmin = np.maximum(sub_min.max(-1, keepdims=True) / 63, 1e-8).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(sub_scale / d), 1, 63).astype(np.uint8)
+    m = np.clip(np.round(sub_min / dmin), 0, 63).astype(np.uint8)
+    q = np.clip(np.round((x + (dmin * m)[..., None]) / (d * sc)[..., None]), 0, 15).astype(np.uint8)
+    scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)], axis=-1)
+    q = q.reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([_fp16_bytes(d), _fp16_bytes(dmin), scales, qs], axis=-1)
+    return blocks.reshape(data.shape[0], -1)
+
+
+def encode_q6_k(data: np.ndarray) -> np.ndarray:
+    """Rows -> Q6_K blocks (210 bytes per 256 inputs): ql[128], qh[64], 16 int8 scales, fp16 d."""
+    x = data.astype(np.float32).reshape(-1, 16, 16)
+    sub = np.abs(x).max(-1) / 31
+    d = np.maximum(np.abs(sub).max(-1, keepdims=True) / 127, 1e-8).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(sub / d), 1, 127).astype(np.int8)
+    q = (np.clip(np.round(x / (d * sc)[..., None]), -32, 31) + 32).astype(np.uint8).reshape(-1, 256)
+    low, high = (q & 0xF).reshape(-1, 2, 2, 64), (q >> 4).reshape(-1, 2, 4, 32)
+    ql = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(-1, 64)
+    blocks = np.concatenate([ql, qh, sc.view(np.uint8), _fp16_bytes(d)], axis=-1)
+    return blocks.reshape(data.shape[0], -1)
+
+
+def encode(data: np.ndarray, qtype) -> np.ndarray:
+    if qtype == T.Q4_K:
+        return encode_q4_k(data)
+    if qtype == T.Q6_K:
+        return encode_q6_k(data)
+    return gguf.quants.quantize(data, qtype)
+
+
+MIXED = {  # layer 0 as Q4_K_M writes its layers (Q6_K v and down); layer 1 the 32-block types
+    "blk.0.attn_q": T.Q4_K, "blk.0.attn_k": T.Q4_K, "blk.0.attn_v": T.Q6_K, "blk.0.attn_output": T.Q4_K,
+    "blk.0.ffn_gate": T.Q4_K, "blk.0.ffn_up": T.Q4_K, "blk.0.ffn_down": T.Q6_K,
+    "blk.1.attn_q": T.Q5_0, "blk.1.attn_k": T.Q5_0, "blk.1.attn_v": T.Q8_0, "blk.1.attn_output": T.Q4_1,
+    "blk.1.ffn_gate": T.Q4_K, "blk.1.ffn_up": T.Q4_1, "blk.1.ffn_down": T.Q5_0, "output": T.Q6_K,
+}
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """A Qwen2 model (K = 256 / 512, as the K-quants need) in every kept type, converted twice:
+    kept quantized and dequantized in float32 (the reference)."""
+    original = _tiny_model("qwen2", hidden_size=256, intermediate_size=512)
+    folder = tmp_path_factory.mktemp("mixed")
+    _write_gguf(original, folder / "mixed.gguf", "qwen2", pre="qwen2",
+                linear_qtype=lambda name: MIXED.get(name.rsplit(".", 1)[0]), encode=encode)
+    kept = gguf_convert.convert_gguf(folder / "mixed.gguf", folder / "kept", progress=False)
+    plain = gguf_convert.convert_gguf(folder / "mixed.gguf", folder / "plain", progress=False, dtype=torch.float32,
+                                      keep_quantized=False)
+    return str(kept), str(plain)
+
+
+def test_encoders_round_trip_through_ggufs_dequantizer():
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.05, (4, 512)).astype(np.float32)
+    for qtype, tol in ((T.Q4_K, 0.02), (T.Q6_K, 0.004)):
+        back = gguf.quants.dequantize(encode(w, qtype), qtype)
+        assert back.shape == w.shape and np.abs(back - w).max() < tol
+
+
+def test_every_kept_type_loads_with_ggufs_own_values(mixed):
+    from safetensors.torch import load_file
+
+    from specdec.layers.quantization import PartsLinear
+
+    kept, plain = mixed
+    model = LLM(model=kept, **ENGINE).engine.executor.driver_worker.runner.model
+    reference = load_file(f"{plain}/model.safetensors")
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())  # every linear kept quantized
+    l0, l1 = model.layers
+    assert isinstance(l0.self_attn.qkv_proj, PartsLinear)  # Q4_K q, k + Q6_K v
+    assert [type(p.quantized_weight()).__name__ for p in l0.self_attn.qkv_proj.parts] == ["Int4Weight"] * 2 + [
+        "Int8Weight"]
+    assert l0.mlp.down_proj.quantized_weight().group_size == 16  # Q6_K
+    assert isinstance(l1.self_attn.qkv_proj, WeightOnlyLinear)  # Q5_0 + Q8_0: one int8 weight
+    assert l1.mlp.gate_up_proj.int4 and not l1.mlp.down_proj.int4  # Q4_K + Q4_1 int4, Q5_0 int8
+    fused = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
+    for i, layer in enumerate(model.layers):
+        for name, parts in [*fused.items(), ("self_attn.o_proj", None), ("mlp.down_proj", None)]:
+            prefix = f"model.layers.{i}.{name.split('.')[0]}."
+            expected = (torch.cat([reference[prefix + p + ".weight"] for p in parts]) if parts
+                        else reference[f"model.layers.{i}.{name}.weight"])
+            assert torch.equal(layer.get_submodule(name).dequantized_weight().float(), expected), (i, name)
+    assert torch.equal(model.lm_head.dequantized_weight().float(), reference["lm_head.weight"])
+
+
+def test_kept_quantized_decodes_the_tokens_of_the_float32_dequantized_model(mixed):
+    kept, plain = mixed
+    prompts = ["hello world", "the world", "fellow the"]
+    assert greedy(LLM(model=kept, **ENGINE), prompts) == greedy(LLM(model=plain, **ENGINE), prompts)
+
+
+def test_speculation_over_a_mixed_gguf_is_lossless(mixed):
+    kept, _ = mixed
+    llm = LLM(model=kept, **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    prompts = ["hello world hello world hello", "the world the world the"]
+    assert greedy(llm, prompts) == greedy(llm, prompts, use_speculation=False)
+
+
+def test_a_folder_in_the_old_format_is_refused_with_what_to_do(mixed, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specdec.models.gguf_quant import WOQ_FILE, load_quantized_linears
+
+    kept, _ = mixed
+    old = tmp_path / "old"
+    shutil.copytree(kept, old)
+    save_file(load_file(str(old / WOQ_FILE)), str(old / WOQ_FILE), metadata={"format": "specdec-woq-1"})
+    with pytest.raises(ValueError, match="delete the converted folder"):
+        load_quantized_linears(old)

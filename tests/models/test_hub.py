@@ -44,9 +44,11 @@ def _permute_for_llama_cpp(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def _write_gguf(model, path: Path, arch: str, pre: str, dtype=np.float32, linear_qtype=None) -> None:
+def _write_gguf(model, path: Path, arch: str, pre: str, dtype=np.float32, linear_qtype=None, encode=None) -> None:
     """A transformers Llama/Qwen2 model -> GGUF the way llama.cpp's converter writes it;
-    ``linear_qtype`` (a gguf.GGMLQuantizationType) quantizes every matrix but the embedding."""
+    ``linear_qtype`` (a gguf.GGMLQuantizationType, or a function of the GGUF tensor name giving
+    one or None) quantizes the matrices but the embedding, with ``gguf.quants.quantize`` or
+    ``encode(data, qtype)`` (raw blocks, for the types gguf cannot quantize)."""
     config = model.config
     tokens, token_types, merges = _tiny_vocab()
     assert len(tokens) == config.vocab_size
@@ -82,8 +84,10 @@ def _write_gguf(model, path: Path, arch: str, pre: str, dtype=np.float32, linear
         elif arch == "llama" and base.endswith("self_attn.k_proj"):
             data = _permute_for_llama_cpp(data, config.num_key_value_heads)
         gguf_name = f"{name_map.get_name(base)}.{suffix}"
-        if linear_qtype is not None and data.ndim == 2 and not gguf_name.startswith("token_embd"):
-            writer.add_tensor(gguf_name, gguf.quants.quantize(data, linear_qtype), raw_dtype=linear_qtype)
+        qtype = linear_qtype(gguf_name) if callable(linear_qtype) else linear_qtype
+        if qtype is not None and data.ndim == 2 and not gguf_name.startswith("token_embd"):
+            blocks = encode(data, qtype) if encode is not None else gguf.quants.quantize(data, qtype)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
             continue
         # llama.cpp keeps 1-D tensors (norms, biases) in F32 whatever the file type
         writer.add_tensor(gguf_name, data.astype(dtype if data.ndim > 1 else np.float32))
@@ -93,10 +97,11 @@ def _write_gguf(model, path: Path, arch: str, pre: str, dtype=np.float32, linear
     writer.close()
 
 
-def _tiny_model(arch: str):
+def _tiny_model(arch: str, **sizes):
     torch.manual_seed(0)
     common = dict(vocab_size=len(_tiny_vocab()[0]), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
+    common.update(sizes)
     if arch == "llama":
         config = transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
         model = transformers.LlamaForCausalLM(config)
