@@ -67,6 +67,8 @@ def find_ggufs(args, target: str, draft: str, bin_dir, notes: list[str]) -> dict
     ggufs = {"q4_k_m": args.target_gguf or llama_cpp.downloaded_gguf(target),
              "draft_q4_k_m": args.draft_gguf or llama_cpp.downloaded_gguf(draft)}
     for kind in ("bf16", "q8_0"):
+        if LLAMA_CPP not in args.engines:
+            continue
         if bin_dir is None or args.no_convert:
             ggufs[f"{kind}_why"] = "--no-convert" if args.no_convert else "no llama.cpp"
             continue
@@ -118,7 +120,7 @@ def measure(args) -> dict:
     notes: list[str] = []
     vllm_version, vllm_how = runner.probe_vllm(args.vllm_python) if VLLM in args.engines else (None, "not asked")
     bin_dir, llama_how = llama_cpp.find_bin_dir(args.llama_cpp_dir) if LLAMA_CPP in args.engines else (None, "")
-    ggufs = find_ggufs(args, target, draft, bin_dir, notes) if bin_dir else {}
+    ggufs = find_ggufs(args, target, draft, bin_dir, notes)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     log_dir = Path(args.log_dir) if args.log_dir else llama_cpp.peers_dir() / "logs" / stamp
     log_dir.mkdir(parents=True, exist_ok=True)

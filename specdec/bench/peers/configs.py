@@ -51,6 +51,11 @@ BATCH1_CONFIGS = (
     PeerConfig(SPECDEC, "int4 target + int8 draft K=5", None,
                {"quantization": "int4", "speculative_config": _draft(quantization="int8")}, "quantization:int4",
                speculative=True),
+    # the llama.cpp user's files, their quantized linears kept (Q4_K / Q6_K / Q5_0 / Q8_0 kernels)
+    PeerConfig(SPECDEC, "Q4_K_M gguf plain", "Q4_K_M plain", {"model": "{target_q4_k_m}"}, "gguf:q4_k_m"),
+    PeerConfig(SPECDEC, "Q4_K_M gguf + Q4_K_M gguf draft K=5", "Q4_K_M draft K=5",
+               {"model": "{target_q4_k_m}", "speculative_config": {**_draft(), "model": "{draft_q4_k_m}"},
+                "draft_gguf": "q4_k_m"}, "gguf:q4_k_m", speculative=True),
     PeerConfig(VLLM, "bf16 plain", "bf16 plain", {}),
     PeerConfig(VLLM, "bf16 + bf16 draft K=5", "bf16 draft K=5", {"speculative_config": _draft()}, speculative=True),
     PeerConfig(VLLM, "n-gram K=5", "n-gram K=5", {"speculative_config": NGRAM_K5}, speculative=True),

@@ -55,7 +55,12 @@ def parse_worker_output(stdout: str) -> dict:
 
 
 def job(config: PeerConfig, setup: Setup, prompts: list[list[int]], batch_size: int) -> dict:
-    return {"model": setup.target, "options": substitute(config.options, {"draft": setup.draft}),
+    """A worker's job; ``options["model"]`` (``{target_q4_k_m}``: the target's GGUF) replaces the target."""
+    ggufs = setup.ggufs or {}
+    names = {"draft": setup.draft, "target_q4_k_m": ggufs.get("q4_k_m"), "draft_q4_k_m": ggufs.get("draft_q4_k_m")}
+    options = substitute(config.options, {k: str(v) for k, v in names.items()})
+    options.pop("draft_gguf", None)
+    return {"model": options.pop("model", setup.target), "options": options,
             "prompts": prompts, "output_len": setup.output_len, "batch_size": batch_size,
             "num_threads": setup.threads, "max_model_len": setup.max_model_len}
 
