@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.kernels import cpu_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -25,7 +27,11 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        fused = x.shape[-1] == self.weight.shape[0] and cpu_ops.usable(x, self.weight)
         if residual is None:
-            return self._norm(x)
+            return cpu_ops.extension().rms_norm(x, self.weight, self.eps) if fused else self._norm(x)
+        if fused and residual.dtype == torch.float32:
+            out, residual = cpu_ops.extension().add_rms_norm(x, residual, self.weight, self.eps)
+            return out, residual
         residual = x + residual
         return self._norm(residual), residual

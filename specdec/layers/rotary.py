@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from specdec.kernels import cpu_ops
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     factor = scaling["factor"]
@@ -57,7 +59,15 @@ class RotaryEmbedding(nn.Module):
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] rotated by the [T, 1, D/2] tables of ``RotaryEmbedding.lookup``."""
+    """x [T, heads, D] rotated by the [T, 1, D/2] tables of ``RotaryEmbedding.lookup``
+    (float32 on CPU: one fused op, ``specdec.kernels.cpu_ops``; else ``rotate_reference``)."""
+    if x.dim() == 3 and x.stride(-1) == 1 and cpu_ops.usable(x, cos, sin) and cos.is_contiguous() \
+            and sin.is_contiguous():
+        return cpu_ops.extension().rotate(x, cos, sin)
+    return rotate_reference(x, cos, sin)
+
+
+def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
