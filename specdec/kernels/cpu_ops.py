@@ -45,8 +45,8 @@ def extension():
 
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the fused ops take these tensors (float32, CPU, no autograd)."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
-        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or (grad and t.requires_grad):
+            return False
     return extension() is not None
