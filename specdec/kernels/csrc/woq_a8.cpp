@@ -26,11 +26,19 @@
 
 namespace {
 
-#ifndef A8_NB
-#define A8_NB 3
-#define A8_MB 3
+#ifndef A8_NB1  // outputs per tile for 1, 2, 3, 4, 5-6 and 7-9 rows
 #define A8_NB1 4
-#define A8_PREFETCH 1024
+#define A8_NB2 4
+#define A8_NB3 4
+#define A8_NB4 4
+#define A8_NB6 3
+#define A8_NB9 2
+#endif
+#ifndef A8_PREFETCH
+#define A8_PREFETCH 1024  // bytes ahead in each weight row
+#endif
+#ifndef A8_LIB
+#define A8_LIB specdec_woq_a8
 #endif
 
 struct Chunk {
@@ -71,22 +79,29 @@ struct Args {
   float* y;
 };
 
+// acc += u8 a . s8 b per 32-bit lane (vpdpbusd), accumulating in place: written with the
+// intrinsic, gcc 12 copies every accumulator of a large tile through another register (and the
+// stack) on each step, which costs more than the dot products.
+__attribute__((always_inline)) inline void dpbusd(__m512i& acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+}
+
 template <bool INT4>
 __attribute__((always_inline)) inline __m512i load_weights(const Args& a, int64_t n, int64_t k) {
   if (!INT4) return _mm512_loadu_si512(a.w + n * a.K + k);
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.w + n * (a.K / 2) + k / 2));
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low4)),
-                            _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), 1);
+  // the 32 bytes in both halves; the upper half's 16-bit words shifted right by 4: after the
+  // mask, low nibbles (positions 0-31) below, high nibbles (positions 32-63) above
+  const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.w + n * (a.K / 2) + k / 2)));
+  return _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4), _mm512_set1_epi8(0x0F));
 }
 
 template <bool INT4, int NB, int MB>
 void tile(const Args& a, int64_t n0, int64_t m0) {
   const int64_t ng = a.K / a.G;
   const __m512i ones = _mm512_set1_epi8(1);
-  __m512 facc[NB][MB];
-  for (int n = 0; n < NB; ++n)
-    for (int m = 0; m < MB; ++m) facc[n][m] = _mm512_setzero_ps();
+  // float accumulators live in memory (L1): touched once per chunk, they leave the registers to
+  // the integer accumulators of the inner loop
+  alignas(64) float facc_mem[NB][MB][16] = {};
   for (int64_t c = 0; c < a.num_chunks; ++c) {
     const Chunk& ch = a.chunks[c];
     __m512i iacc[NB][MB], wsum[NB];
@@ -100,12 +115,12 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
         const uint8_t* row = a.w + (n0 + n) * (INT4 ? a.K / 2 : a.K) + (INT4 ? k / 2 : k);
         _mm_prefetch(reinterpret_cast<const char*>(row + A8_PREFETCH), _MM_HINT_T0);
         w[n] = load_weights<INT4>(a, n0 + n, k);
-        if (!INT4) wsum[n] = _mm512_dpbusd_epi32(wsum[n], ones, w[n]);
+        if (!INT4) dpbusd(wsum[n], ones, w[n]);
       }
       for (int m = 0; m < MB; ++m) {
         const __m512i x = _mm512_loadu_si512(a.xq + (m0 + m) * a.K + k);
         for (int n = 0; n < NB; ++n)
-          iacc[n][m] = INT4 ? _mm512_dpbusd_epi32(iacc[n][m], w[n], x) : _mm512_dpbusd_epi32(iacc[n][m], x, w[n]);
+          INT4 ? dpbusd(iacc[n][m], w[n], x) : dpbusd(iacc[n][m], x, w[n]);
       }
     }
     __m512 sv[NB], ov[NB];
@@ -121,42 +136,59 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
         const __m512 xsum = _mm512_loadu_ps(a.xsum + (m0 + m) * a.L + 16 * c);
         for (int n = 0; n < NB; ++n) {
           const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[n][m]), sv[n], _mm512_mul_ps(ov[n], xsum));
-          facc[n][m] = _mm512_fmadd_ps(t, xs, facc[n][m]);
+          _mm512_store_ps(facc_mem[n][m], _mm512_fmadd_ps(t, xs, _mm512_load_ps(facc_mem[n][m])));
         }
       } else {
         for (int n = 0; n < NB; ++n) {
           const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[n][m], wsum[n])), sv[n]);
-          facc[n][m] = _mm512_fmadd_ps(t, xs, facc[n][m]);
+          _mm512_store_ps(facc_mem[n][m], _mm512_fmadd_ps(t, xs, _mm512_load_ps(facc_mem[n][m])));
         }
       }
     }
   }
   for (int n = 0; n < NB; ++n)
-    for (int m = 0; m < MB; ++m) a.y[(m0 + m) * a.N + n0 + n] = _mm512_reduce_add_ps(facc[n][m]);
+    for (int m = 0; m < MB; ++m) a.y[(m0 + m) * a.N + n0 + n] = _mm512_reduce_add_ps(_mm512_load_ps(facc_mem[n][m]));
 }
 
-template <bool INT4, int NB, int R>
-void rows_tail(const Args& a, int64_t n0, int64_t m0, int64_t rem) {
-  if constexpr (R > 0) {
-    if (rem == R) tile<INT4, NB, R>(a, n0, m0);
-    else rows_tail<INT4, NB, R - 1>(a, n0, m0, rem);
+template <bool INT4, int NB, int MB>
+void run(const Args& a) {
+  const int64_t full = a.N / NB;
+  at::parallel_for(0, full, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) tile<INT4, NB, MB>(a, b * NB, 0);
+  });
+  for (int64_t n = full * NB; n < a.N; ++n) tile<INT4, 1, MB>(a, n, 0);
+}
+
+// One tile holds all M <= 9 rows, so each weight is loaded (and int4 unpacked) once per call;
+// outputs per tile shrink as rows grow to keep the integer accumulators in registers.
+template <bool INT4>
+void run_rows(const Args& a, int64_t M) {
+  switch (M) {
+    case 1: run<INT4, A8_NB1, 1>(a); break;
+    case 2: run<INT4, A8_NB2, 2>(a); break;
+    case 3: run<INT4, A8_NB3, 3>(a); break;
+    case 4: run<INT4, A8_NB4, 4>(a); break;
+    case 5: run<INT4, A8_NB6, 5>(a); break;
+    case 6: run<INT4, A8_NB6, 6>(a); break;
+    case 7: run<INT4, A8_NB9, 7>(a); break;
+    case 8: run<INT4, A8_NB9, 8>(a); break;
+    case 9: run<INT4, A8_NB9, 9>(a); break;
+    default: break;
   }
 }
 
-template <bool INT4, int NB, int MB>
-void outputs(const Args& a, int64_t M, int64_t n0) {
-  int64_t m = 0;
-  for (; m + MB <= M; m += MB) tile<INT4, NB, MB>(a, n0, m);
-  rows_tail<INT4, NB, MB - 1>(a, n0, m, M - m);
-}
-
-template <bool INT4, int NB, int MB>
-void run(const Args& a, int64_t M) {
-  const int64_t full = a.N / NB;
-  at::parallel_for(0, full, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) outputs<INT4, NB, MB>(a, M, b * NB);
-  });
-  for (int64_t n = full * NB; n < a.N; ++n) outputs<INT4, 1, MB>(a, M, n);
+template <bool INT4>
+void run_all(const Args& a, int64_t M) {
+  // more rows: blocks of kMaxRows with their own Args offsets, the remainder last
+  constexpr int64_t kMaxRows = 9;
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    Args part = a;
+    part.xq += m0 * a.K;
+    part.xs += m0 * a.L;
+    if (INT4) part.xsum += m0 * a.L;
+    part.y += m0 * a.N;
+    run_rows<INT4>(part, std::min(kMaxRows, M - m0));
+  }
 }
 
 // Rows of x -> activations in chunk order, per-lane scales and (int4) per-lane sums.
@@ -166,6 +198,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, const std::vector<Chunk
   std::vector<int8_t> q(K);
   std::vector<float> bs(K / 32);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const __m512i ones = _mm512_set1_epi8(1), bias = _mm512_set1_epi8(static_cast<char>(0x80));  // + 128 (mod 256)
   for (int64_t m = 0; m < M; ++m) {
     const float* row = x + m * K;
     for (int64_t b = 0; b < K / 32; ++b) {
@@ -179,20 +212,21 @@ void quantize_rows(const float* x, int64_t M, int64_t K, const std::vector<Chunk
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
     }
     uint8_t* out = xq + m * K;
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (size_t c = 0; c < chunks.size(); ++c) {
       const int64_t c0 = chunks[c].c0, W = chunks[c].C / 16;
-      for (int l = 0; l < 16; ++l) {
-        const int64_t first = c0 + l * W;
-        xs[m * L + 16 * c + l] = bs[first / 32];
-        int32_t sum = 0;
-        for (int64_t s = 0; s < W / 4; ++s)
-          for (int t = 0; t < 4; ++t) {
-            const int8_t v = q[first + 4 * s + t];
-            sum += v;
-            out[c0 + 64 * s + 4 * l + t] = int4 ? static_cast<uint8_t>(v) : static_cast<uint8_t>(v + 128);
-          }
-        if (xsum != nullptr) xsum[m * L + 16 * c + l] = static_cast<float>(sum);
+      // lane l's first input c0 + l W: its 4-byte words, step by step, and its block's scale
+      const __m512i first = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(c0)),
+                                             _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(W))));
+      _mm512_storeu_ps(xs + m * L + 16 * c, _mm512_i32gather_ps(_mm512_srli_epi32(first, 5), bs.data(), 4));
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t s = 0; s < W / 4; ++s) {
+        const __m512i word = _mm512_add_epi32(_mm512_srli_epi32(first, 2), _mm512_set1_epi32(static_cast<int32_t>(s)));
+        const __m512i v = _mm512_i32gather_epi32(word, q.data(), 4);
+        sum = _mm512_dpbusd_epi32(sum, ones, v);  // 1 * each signed byte: the lane's sum
+        _mm512_storeu_si512(out + c0 + 64 * s, int4 ? v : _mm512_xor_si512(v, bias));
       }
+      if (xsum != nullptr) _mm512_storeu_ps(xsum + m * L + 16 * c, _mm512_cvtepi32_ps(sum));
     }
   }
 }
@@ -231,11 +265,7 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
                static_cast<const uint8_t*>(weight.data_ptr()), scales.data_ptr<float>(),
                int4 ? offsets.data_ptr<float>() : nullptr, chunks.data(), static_cast<int64_t>(chunks.size()),
                K, G, L, N, y.data_ptr<float>()};
-  if (M == 1) {
-    int4 ? run<true, A8_NB1, 1>(a, M) : run<false, A8_NB1, 1>(a, M);
-  } else {
-    int4 ? run<true, A8_NB, A8_MB>(a, M) : run<false, A8_NB, A8_MB>(a, M);
-  }
+  int4 ? run_all<true>(a, M) : run_all<false>(a, M);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   return y.view(sizes).to(x.scalar_type());
@@ -257,7 +287,7 @@ std::vector<at::Tensor> a8_quantize(const at::Tensor& x, int64_t G, bool int4) {
   return {xq, xs, xsum};
 }
 
-TORCH_LIBRARY(specdec_woq_a8, m) {
+TORCH_LIBRARY(A8_LIB, m) {
   m.def("a8_linear(Tensor x, Tensor weight, Tensor scales, Tensor offsets, int K) -> Tensor", &a8_linear);
   m.def("a8_quantize(Tensor x, int G, bool int4) -> Tensor[]", &a8_quantize);
 }
