@@ -9,6 +9,13 @@
   kernel dequantises it in registers and multiplies in float32 (``specdec.kernels.woq_cpu``). GGUF Q8_0 / Q4_0 tensors load
   straight into this layer (``specdec.models.gguf_quant``). The quantized weights *are* the
   target: speculation is lossless with respect to them.
+- ``"w8a8"`` / ``"w4a8"``: the same layers and weights with ``int8_activations``: each row of x
+  is quantized to int8 per block of 32 inputs and multiplied with integer dot products
+  (``woq_format.reference_linear_a8``; the VNNI kernel ``woq_cpu.linear_a8``). A row's result
+  depends on that row alone, bit for bit, and the rest of the forward computes a row the same
+  way in a one-row decode and in a K+1-row verification (``tests/models/test_row_consistency.py``),
+  so the int8 step function sees the same input in both and speculation stays lossless. A layer
+  whose shape the format does not take (in_features not a multiple of 64) stays weight-only.
 - ``DynamicInt8Linear`` (``"int8_dynamic"``): int8 weights (per-channel) and per-call int8
   activations through PyTorch's fbgemm dynamic-quantized linear; 2-3x faster than packed bf16
   at 1-6 rows on the development CPU. Activation quantization changes numerics more than
@@ -24,7 +31,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.kernels import woq_cpu
-from specdec.kernels.woq_format import Int4Weight, Int8Weight, quantize_int4, quantize_int8
+from specdec.kernels.woq_format import (
+    Int4Weight,
+    Int8Weight,
+    quantize_int4,
+    quantize_int8,
+    reference_linear_a8,
+    supports_a8,
+)
 from specdec.layers.fp8 import Fp8Linear
 
 INT4_GROUP_SIZE = 128  # inputs per int4 scale / zero point: 4.5 bits per weight with float32 scales
@@ -56,7 +70,8 @@ class WeightOnlyLinear(nn.Module):
     then ``F.linear``). The quantized tensors are buffers, so ``.to(device)`` moves them.
     """
 
-    def __init__(self, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None, compute_dtype: torch.dtype):
+    def __init__(self, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None, compute_dtype: torch.dtype,
+                 int8_activations: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight_shape(weight)
         self.compute_dtype = compute_dtype
@@ -67,6 +82,10 @@ class WeightOnlyLinear(nn.Module):
         else:
             self.register_buffer("weight_int8", weight.qweight)
         self.register_buffer("scales", weight.scales)
+        # int8 activations (module docstring): the integers also in the VNNI kernel's order, made once
+        self.int8_activations = int8_activations and supports_a8(weight)
+        if self.int8_activations:
+            self.register_buffer("a8_layout", woq_cpu.A8Weight.prepare(weight).weight, persistent=False)
         # a parameter, as nn.Linear's: checkpoint loaders fill biases by parameter name
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
@@ -79,14 +98,19 @@ class WeightOnlyLinear(nn.Module):
         return self.quantized_weight().dequantize(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu":
+        if self.int8_activations:
+            if x.device.type == "cpu":
+                out = woq_cpu.linear_a8(x, woq_cpu.A8Weight(self.quantized_weight(), self.a8_layout))
+            else:
+                out = reference_linear_a8(x, self.quantized_weight())
+        elif x.device.type == "cpu":
             out = woq_cpu.linear(x, self.quantized_weight())
         else:
             out = F.linear(x, self.dequantized_weight().to(x.dtype))
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        kind = "int4" if self.int4 else "int8"
+        kind = ("int4" if self.int4 else "int8") + (", int8 activations" if self.int8_activations else "")
         return f"{kind}, in={self.in_features}, out={self.out_features}, group={self.quantized_weight().group_size}"
 
 
@@ -98,22 +122,30 @@ def _bias(linear: nn.Linear) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.detach().clone()
 
 
-def Int8Linear(linear: nn.Linear, group_size: int | None = None) -> WeightOnlyLinear:
+def Int8Linear(linear: nn.Linear, group_size: int | None = None, int8_activations: bool = False) -> WeightOnlyLinear:
     """Weight-only int8, one symmetric scale per output channel (or per ``group_size`` inputs)."""
     weight = quantize_int8(linear.weight, group_size)
-    return WeightOnlyLinear(weight, _bias(linear), linear.weight.dtype).to(linear.weight.device)
+    return WeightOnlyLinear(weight, _bias(linear), linear.weight.dtype, int8_activations).to(linear.weight.device)
 
 
-def Int4Linear(linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> WeightOnlyLinear:
+def Int4Linear(linear: nn.Linear, group_size: int = INT4_GROUP_SIZE, int8_activations: bool = False) -> WeightOnlyLinear:
     """Weight-only int4 with a scale and zero point per group of inputs: ``group_size``, or the
     largest of its halves (down to 32) that divides in_features; int8 per channel if none does."""
     group = group_size
     while linear.in_features % group and group > 32:
         group //= 2
     if linear.in_features % group or group % 32:
-        return Int8Linear(linear)
+        return Int8Linear(linear, int8_activations=int8_activations)
     weight = quantize_int4(linear.weight, group)
-    return WeightOnlyLinear(weight, _bias(linear), linear.weight.dtype).to(linear.weight.device)
+    return WeightOnlyLinear(weight, _bias(linear), linear.weight.dtype, int8_activations).to(linear.weight.device)
+
+
+def W8A8Linear(linear: nn.Linear) -> WeightOnlyLinear:
+    return Int8Linear(linear, int8_activations=True)
+
+
+def W4A8Linear(linear: nn.Linear) -> WeightOnlyLinear:
+    return Int4Linear(linear, int8_activations=True)
 
 
 class DynamicInt8Linear(nn.Module):
@@ -134,9 +166,11 @@ class DynamicInt8Linear(nn.Module):
         return self.inner(x.float()).to(self.compute_dtype)
 
 
-QUANTIZATIONS = {"int8": Int8Linear, "int4": Int4Linear, "int8_dynamic": DynamicInt8Linear, "fp8": Fp8Linear}
+QUANTIZATIONS = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear, "w4a8": W4A8Linear,
+                 "int8_dynamic": DynamicInt8Linear, "fp8": Fp8Linear}
 # int4 keeps the LM head at int8, as llama.cpp's Q4 mixes keep output.weight at 6-8 bits
-_LM_HEAD_QUANTIZATION = {"int4": Int8Linear}
+_LM_HEAD_QUANTIZATION = {"int4": Int8Linear, "w4a8": W8A8Linear}
+_CPU_ONLY = ("int8_dynamic", "w8a8", "w4a8")
 
 
 def _replace_linears(module: nn.Module, make, lm_head_make=None, prefix: str = "") -> None:
@@ -152,8 +186,8 @@ def prepare_for_inference(model: nn.Module, quantization: str | None, device: to
     """Swap linears for their fast inference form. Tied embeddings keep the original weight."""
     dtype = next(model.parameters()).dtype
     if quantization in QUANTIZATIONS:
-        if quantization == "int8_dynamic" and device.type != "cpu":
-            raise ValueError("quantization 'int8_dynamic' (fbgemm) runs on CPU only; use 'int8' on GPUs")
+        if quantization in _CPU_ONLY and device.type != "cpu":
+            raise ValueError(f"quantization {quantization!r} runs on CPU only; use 'int8' / 'int4' on GPUs")
         _replace_linears(model, QUANTIZATIONS[quantization], _LM_HEAD_QUANTIZATION.get(quantization))
     elif quantization is not None:
         raise ValueError(f"quantization must be None or one of {sorted(QUANTIZATIONS)}, got {quantization!r}")
