@@ -12,7 +12,7 @@ MAX_TREE_TOPK = 8
 MAX_TREE_NODES = 64
 # "w8a8" / "w4a8": the int8 / int4 weights of "int8" / "int4" with int8 activations (VNNI, CPU)
 QUANTIZATION_METHODS = (None, "int8", "int4", "w8a8", "w4a8", "int8_dynamic", "fp8")
-ATTENTION_BACKENDS = ("auto", "reference", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "reference", "torch", "rows", "triton")
 
 
 @dataclass(slots=True)
@@ -141,7 +141,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     quantization: str | None = None  # "int8" / "int4" (weight-only) or "fp8" for the target (the quantized model is the target)
     speculative_config: SpeculativeConfig | None = None
-    attention_backend: str = "auto"  # "reference" (per-request loop), "torch" (batched SDPA) or "triton" (GPU)
+    # "reference" (per-request loop), "torch" (batched matmuls), "rows" (CPU, each query row on its own:
+    # what "auto" picks for the int8-activation quantizations on CPU) or "triton" (GPU)
+    attention_backend: str = "auto"
     num_threads: int | None = None
     enforce_eager: bool = False  # GPUs: no CUDA/HIP graphs for decode and verify steps (as vLLM's flag)
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)

@@ -5,8 +5,11 @@ of a K+1-row verification forward (alone, or next to other requests' rows): ever
 This is what lets the int8-activation linears ("w8a8" / "w4a8") stay lossless under speculation:
 a layer that rounds its input to int8 is a step function of it, so one ulp of difference from an
 op that summed a row differently in a bigger call could change a quantized activation.
-Weight-only int4 ("int4") and int8 activations ("w4a8") are checked in float32 with the CPU
-backend the engine picks ("torch": grouped matmuls over the padded batch)."""
+Checked in float32 for weight-only int4 and for int8 activations ("w4a8"), with the attention
+backend "auto" picks for w4a8 on CPU ("rows": each query row on its own,
+``specdec.kernels.attention_rows``). The batched "torch" backend is not row-consistent: its
+matmuls over the step's padded batch sum a row differently when another request's prefill
+length changes the padding (the first difference a w4a8 engine run showed, prefix caching on)."""
 import pytest
 import torch
 
@@ -48,11 +51,11 @@ def run(runner, recorder, requests) -> dict[str, torch.Tensor]:
     return dict(recorder.outputs)
 
 
-@pytest.mark.parametrize("quantization", ["int4", "w4a8"])
-def test_a_decode_row_equals_that_row_of_a_verification_forward_bitwise(wide_llama_path, quantization):
-    llm = LLM(model=wide_llama_path, **ENGINE, quantization=quantization)
+@pytest.mark.parametrize("quantization,backend", [("int4", "rows"), ("w4a8", "auto")])
+def test_a_decode_row_equals_that_row_of_a_verification_forward_bitwise(wide_llama_path, quantization, backend):
+    llm = LLM(model=wide_llama_path, **ENGINE, quantization=quantization, attention_backend=backend)
     runner = llm.engine.executor.driver_worker.runner
-    assert runner.model.layers[0].self_attn.backend.name == "torch"
+    assert runner.model.layers[0].self_attn.backend.name == "rows"
     recorder = Recorder(runner.model)
     vocab = runner.model.embed_tokens.weight.shape[0]
     gen = torch.Generator().manual_seed(0)
@@ -87,3 +90,22 @@ def test_a_decode_row_equals_that_row_of_a_verification_forward_bitwise(wide_lla
             for op, out in decoded[j].items():
                 assert out.shape[0] == 1, op
                 assert torch.equal(out[0], verified[op][offset + j]), f"{name}: row {j} differs at {op}"
+
+    # a prompt's prefill rows next to another request's long prefill, short prefill or decode row
+    # (prefix caching and chunked prefill change these partners between two runs of one prompt)
+    # (up to 17 rows per request the torch backend pads the step's requests to one shape)
+    short = 13
+
+    def prefill_a_next_to(partner):
+        for cache in runner.kv_caches:
+            cache.zero_()
+        if partner:
+            run(runner, recorder, [(b[:len_b - partner], 0, blocks_b)])
+        requests = [(a[:short], 0, blocks_a)] + ([(b[len_b - partner:len_b], len_b - partner, blocks_b)] if partner else [])
+        return run(runner, recorder, requests)
+
+    alone = prefill_a_next_to(0)
+    for partner in (1, 5, 17, 40):
+        beside = prefill_a_next_to(partner)
+        for op, out in alone.items():
+            assert torch.equal(out, beside[op][:short]), f"prefill next to {partner} rows differs at {op}"
