@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from specdec.kernels.woq_format import (
     Int4Weight,
     Int8Weight,
+    pack_nibbles,
     reference_linear,
     reference_linear_a8,
     supports_a8,
@@ -148,29 +149,48 @@ def a8_order(k: int) -> torch.Tensor:
 class A8Weight:
     """An ``Int8Weight`` / ``Int4Weight`` with its integers in the VNNI kernel's chunk order (int8:
     [N, K] int8; int4: [N, K / 2] uint8, 32 bytes per 64 positions, byte b = position b low,
-    b + 32 high). Scales and offsets are the source's tensors."""
-    source: Int8Weight | Int4Weight
+    b + 32 high), and the source's scales and (int4) offsets. ``source()`` gives the weight back."""
     weight: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None  # int4 only
+
+    @property
+    def int4(self) -> bool:
+        return self.offsets is not None
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1] * (2 if self.int4 else 1)
 
     @classmethod
     def prepare(cls, weight: Int8Weight | Int4Weight) -> "A8Weight":
         if not supports_a8(weight):
             raise ValueError("int8 activations need K a multiple of 64 and weight groups a multiple of 32")
-        order = a8_order(weight.shape[1] if isinstance(weight, Int4Weight) else weight.qweight.shape[1])
         if isinstance(weight, Int8Weight):
-            return cls(weight, weight.qweight[:, order].contiguous())
+            return cls(weight.qweight[:, a8_order(weight.qweight.shape[1])].contiguous(), weight.scales, None)
         n, k = weight.shape
-        q = weight.unpacked()[:, order].view(n, k // 64, 2, 32)
-        return cls(weight, (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous())
+        q = weight.unpacked()[:, a8_order(k)].view(n, k // 64, 2, 32)
+        return cls((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous(), weight.scales, weight.offsets)
+
+    def source(self) -> Int8Weight | Int4Weight:
+        n, k = self.weight.shape[0], self.in_features
+        order = a8_order(k)
+        if not self.int4:
+            q = torch.empty_like(self.weight)
+            q[:, order] = self.weight
+            return Int8Weight(q, self.scales)
+        steps = self.weight.view(n, k // 64, 32)
+        values = torch.stack([steps & 0xF, steps >> 4], dim=2).reshape(n, k)  # chunk order
+        q = torch.empty_like(values)
+        q[:, order] = values
+        return Int4Weight(pack_nibbles(q), self.scales, self.offsets)
 
 
 def linear_a8(x: torch.Tensor, weight: A8Weight) -> torch.Tensor:
-    """``woq_format.reference_linear_a8(x, weight.source)`` (int8 activations), to float32
+    """``woq_format.reference_linear_a8(x, weight.source())`` (int8 activations), to float32
     rounding; row i of an M-row call equals the one-row call bit for bit. x: [..., K] -> [..., N]."""
     ops = extension_a8() if x.device.type == "cpu" else None
     if ops is None:
-        return reference_linear_a8(x, weight.source)
-    src = weight.source
-    offsets = src.offsets if isinstance(src, Int4Weight) else src.scales
-    k = src.shape[1] if isinstance(src, Int4Weight) else src.qweight.shape[1]
-    return ops.a8_linear(x, weight.weight, src.scales, offsets, k)
+        return reference_linear_a8(x, weight.source())
+    offsets = weight.offsets if weight.int4 else weight.scales  # not read for int8
+    return ops.a8_linear(x, weight.weight, weight.scales, offsets, weight.in_features)

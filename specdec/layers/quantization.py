@@ -36,7 +36,6 @@ from specdec.kernels.woq_format import (
     Int8Weight,
     quantize_int4,
     quantize_int8,
-    reference_linear_a8,
     supports_a8,
 )
 from specdec.layers.fp8 import Fp8Linear
@@ -76,20 +75,26 @@ class WeightOnlyLinear(nn.Module):
         self.out_features, self.in_features = weight_shape(weight)
         self.compute_dtype = compute_dtype
         self.int4 = isinstance(weight, Int4Weight)
-        if self.int4:
-            self.register_buffer("packed", weight.packed)
-            self.register_buffer("offsets", weight.offsets)
-        else:
-            self.register_buffer("weight_int8", weight.qweight)
-        self.register_buffer("scales", weight.scales)
-        # int8 activations (module docstring): the integers also in the VNNI kernel's order, made once
+        # int8 activations (module docstring): the integers are kept in the VNNI kernel's order only
         self.int8_activations = int8_activations and supports_a8(weight)
         if self.int8_activations:
-            self.register_buffer("a8_layout", woq_cpu.A8Weight.prepare(weight).weight, persistent=False)
+            self.register_buffer("a8_layout", woq_cpu.A8Weight.prepare(weight).weight)
+        elif self.int4:
+            self.register_buffer("packed", weight.packed)
+        else:
+            self.register_buffer("weight_int8", weight.qweight)
+        if self.int4:
+            self.register_buffer("offsets", weight.offsets)
+        self.register_buffer("scales", weight.scales)
         # a parameter, as nn.Linear's: checkpoint loaders fill biases by parameter name
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
+    def a8_weight(self) -> woq_cpu.A8Weight:
+        return woq_cpu.A8Weight(self.a8_layout, self.scales, self.offsets if self.int4 else None)
+
     def quantized_weight(self) -> Int8Weight | Int4Weight:
+        if self.int8_activations:
+            return self.a8_weight().source()
         if self.int4:
             return Int4Weight(self.packed, self.scales, self.offsets)
         return Int8Weight(self.weight_int8, self.scales)
@@ -99,10 +104,7 @@ class WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
-            if x.device.type == "cpu":
-                out = woq_cpu.linear_a8(x, woq_cpu.A8Weight(self.quantized_weight(), self.a8_layout))
-            else:
-                out = reference_linear_a8(x, self.quantized_weight())
+            out = woq_cpu.linear_a8(x, self.a8_weight())  # off CPU: the reference
         elif x.device.type == "cpu":
             out = woq_cpu.linear(x, self.quantized_weight())
         else:
@@ -111,7 +113,7 @@ class WeightOnlyLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kind = ("int4" if self.int4 else "int8") + (", int8 activations" if self.int8_activations else "")
-        return f"{kind}, in={self.in_features}, out={self.out_features}, group={self.quantized_weight().group_size}"
+        return f"{kind}, in={self.in_features}, out={self.out_features}, group={self.in_features // self.scales.shape[1]}"
 
 
 def weight_shape(weight: Int8Weight | Int4Weight) -> tuple[int, int]:
