@@ -26,16 +26,27 @@
 
 namespace {
 
-#ifndef A8_NB1  // outputs per tile for 1, 2, 3, 4, 5-6 and 7-9 rows
+// outputs per tile for 1, 2, 3, 4, 5-6 and 7-9 rows
+#ifndef A8_NB1
 #define A8_NB1 4
+#endif
+#ifndef A8_NB2
 #define A8_NB2 4
+#endif
+#ifndef A8_NB3
 #define A8_NB3 4
+#endif
+#ifndef A8_NB4
 #define A8_NB4 4
+#endif
+#ifndef A8_NB6
 #define A8_NB6 3
+#endif
+#ifndef A8_NB9
 #define A8_NB9 2
 #endif
-#ifndef A8_PREFETCH
-#define A8_PREFETCH 1024  // bytes ahead in each weight row
+#ifndef A8_PREFETCH_STEPS
+#define A8_PREFETCH_STEPS 64  // steps of 64 inputs ahead in each weight row (int8: 4 KB, int4: 2 KB)
 #endif
 #ifndef A8_LIB
 #define A8_LIB specdec_woq_a8
@@ -113,7 +124,7 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
       __m512i w[NB];
       for (int n = 0; n < NB; ++n) {
         const uint8_t* row = a.w + (n0 + n) * (INT4 ? a.K / 2 : a.K) + (INT4 ? k / 2 : k);
-        _mm_prefetch(reinterpret_cast<const char*>(row + A8_PREFETCH), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row + A8_PREFETCH_STEPS * (INT4 ? 32 : 64)), _MM_HINT_T0);
         w[n] = load_weights<INT4>(a, n0 + n, k);
         if (!INT4) dpbusd(wsum[n], ones, w[n]);
       }
