@@ -6,8 +6,10 @@ request has (a one-row decode or K+1 verification rows), nor on the other reques
 padding ``paged_attention_torch`` gives them (its batched matmuls sum a row differently when the
 step's longest context or query length changes). The int8-activation linears ("w8a8" / "w4a8")
 need this: they round their inputs to int8, so one ulp of difference could change the output.
-Built on first use like ``woq_cpu``; without it (no AVX-512, a failed build) or for other dtypes
-``paged_attention_rows`` runs ``paged_attention_torch`` after one warning.
+Built on first use like ``woq_cpu``; without it (no AVX-512, a failed build,
+``SPECDEC_DISABLE_WOQ_KERNEL=1``) or for other dtypes ``paged_attention_rows`` runs
+``paged_attention_torch``, and speculation with int8 activations is then no longer guaranteed to
+reproduce plain decoding (warned once).
 """
 from __future__ import annotations
 
@@ -27,12 +29,15 @@ _SOURCE = Path(__file__).parent / "csrc" / "attention_rows.cpp"
 @functools.lru_cache(maxsize=1)
 def extension():
     """``torch.ops.specdec_attention_rows`` once built, or None (after one warning saying why)."""
+    consequence = "speculation with int8 activations (w8a8 / w4a8) may then differ from plain decoding"
     if os.environ.get("SPECDEC_DISABLE_WOQ_KERNEL", "0") not in ("", "0"):
+        warnings.warn(f"specdec: SPECDEC_DISABLE_WOQ_KERNEL: row-consistent attention runs the batched torch "
+                      f"path; {consequence}", stacklevel=3)
         return None
     missing = [f for f in woq_cpu._CPU_FLAGS if f not in woq_cpu._cpu_flags()]
     if missing:
         warnings.warn(f"specdec: this CPU lacks {', '.join(missing)}; row-consistent attention falls back to "
-                      f"the batched torch path", stacklevel=3)
+                      f"the batched torch path; {consequence}", stacklevel=3)
         return None
     try:
         from torch.utils.cpp_extension import load
@@ -43,7 +48,7 @@ def extension():
     except Exception as e:
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
         warnings.warn(f"specdec: could not build the row-consistent attention kernel ({type(e).__name__}: "
-                      f"{last}); falling back to the batched torch path", stacklevel=3)
+                      f"{last}); falling back to the batched torch path; {consequence}", stacklevel=3)
         return None
 
 
@@ -65,6 +70,13 @@ def _tree_inputs(meta: AttentionMetadata):
     return meta._rows_plan
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_batched_once(dtype: torch.dtype, head_dim: int) -> None:
+    if extension() is not None:  # the kernel exists: it is the dtype or head size it does not take
+        warnings.warn(f"specdec: row-consistent attention takes float32 and head_dim <= 256, not {dtype} / "
+                      f"{head_dim}: the batched torch path runs instead", stacklevel=4)
+
+
 def paged_attention_rows(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -73,6 +85,7 @@ def paged_attention_rows(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     ops = extension() if query.device.type == "cpu" else None
     if ops is None or query.dtype != torch.float32 or kv_cache.dtype != torch.float32 or query.shape[-1] > 256:
+        _warn_batched_once(query.dtype, query.shape[-1])
         return paged_attention_torch(query, kv_cache, meta, scale)
     base, mask = _tree_inputs(meta)
     return ops.attention_rows(query.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
