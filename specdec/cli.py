@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from specdec.config import QUANTIZATION_METHODS
+
 
 def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
     g = p.add_argument_group("engine")
@@ -22,8 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--quantization", default=None, choices=[None, "int8", "int4", "int8_dynamic", "fp8"],
-                   help="target weights: int8 (per channel) or int4 (groups of 128) weight-only; fp8")
+    g.add_argument("--quantization", default=None, choices=list(QUANTIZATION_METHODS),
+                   help="target weights: int8 (per channel) or int4 (groups of 128) weight-only; w8a8 / w4a8: "
+                        "the same weights with int8 activations (CPU, AVX-512 VNNI); int8_dynamic; fp8")
     g.add_argument("--speculative-config", default=None, help="JSON, e.g. '{\"method\": \"ngram\", ...}'")
     g.add_argument("--speculative-model", default=None)
     g.add_argument("--num-speculative-tokens", default=None)

@@ -10,8 +10,9 @@ DRAFTING_METHODS = ("draft_model", "eagle", "eagle3")  # a model that scores its
 MAX_SPEC_TOKENS = 16
 MAX_TREE_TOPK = 8
 MAX_TREE_NODES = 64
-QUANTIZATION_METHODS = (None, "int8", "int4", "int8_dynamic", "fp8")
-ATTENTION_BACKENDS = ("auto", "reference", "torch", "triton")
+# "w8a8" / "w4a8": the int8 / int4 weights of "int8" / "int4" with int8 activations (VNNI, CPU)
+QUANTIZATION_METHODS = (None, "int8", "int4", "w8a8", "w4a8", "int8_dynamic", "fp8")
+ATTENTION_BACKENDS = ("auto", "reference", "torch", "rows", "triton")
 
 
 @dataclass(slots=True)
@@ -23,7 +24,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int | str = 5  # an int in 1..16, or "auto" (adaptive, up to max_num_speculative_tokens)
     max_num_speculative_tokens: int = 8  # the ceiling for "auto"
     dtype: str = "auto"  # the draft's own dtype ("auto": the target's)
-    quantization: str | None = None  # "int8" / "int4" (weight-only), "int8_dynamic" (W8A8, CPU) or "fp8" (e4m3) for the draft
+    quantization: str | None = None  # one of QUANTIZATION_METHODS, for the draft
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     acceptance: float = 0.8  # "replay" (benchmark only): probability a proposed token is kept correct
@@ -140,7 +141,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     quantization: str | None = None  # "int8" / "int4" (weight-only) or "fp8" for the target (the quantized model is the target)
     speculative_config: SpeculativeConfig | None = None
-    attention_backend: str = "auto"  # "reference" (per-request loop), "torch" (batched SDPA) or "triton" (GPU)
+    # "reference" (per-request loop), "torch" (batched matmuls), "rows" (CPU, each query row on its own:
+    # what "auto" picks for the int8-activation quantizations on CPU) or "triton" (GPU)
+    attention_backend: str = "auto"
     num_threads: int | None = None
     enforce_eager: bool = False  # GPUs: no CUDA/HIP graphs for decode and verify steps (as vLLM's flag)
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)

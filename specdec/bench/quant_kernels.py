@@ -76,6 +76,13 @@ def candidate_kernels(group_size: int) -> dict:
             return (lambda x: woq_cpu.linear(x, q)), q.nbytes
         return prepare
 
+    def ours_a8(fmt):
+        def prepare(w, dtype):
+            q = quantize_int8(w, None) if fmt == "int8" else quantize_int4(w, group_size)
+            aw = woq_cpu.A8Weight.prepare(q)
+            return (lambda x: woq_cpu.linear_a8(x, aw)), q.nbytes
+        return prepare
+
     kernels = {
         "torch._weight_int8pack_mm": ("int8", torch_int8pack),
         "torch._weight_int4pack_mm_for_cpu": ("int4", torch_int4pack),
@@ -85,6 +92,9 @@ def candidate_kernels(group_size: int) -> dict:
     if woq_cpu.available():
         kernels["specdec woq int8 (AVX-512)"] = ("int8", ours("int8"))
         kernels["specdec woq int4 (AVX-512)"] = ("int4", ours("int4"))
+    if woq_cpu.extension_a8() is not None:
+        kernels["specdec w8a8 (VNNI)"] = ("int8", ours_a8("int8"))
+        kernels["specdec w4a8 (VNNI)"] = ("int4", ours_a8("int4"))
     kernels.update(_third_party(group_size))
     return kernels
 

@@ -1,4 +1,5 @@
-"""The AVX-512 int8 / int4 weight-only CPU kernel (``csrc/woq_linear.cpp``), built on first use.
+"""The AVX-512 int8 / int4 weight-only CPU kernel (``csrc/woq_linear.cpp``) and the int8-activation
+VNNI kernel (``csrc/woq_a8.cpp``, ``linear_a8``), each built on first use.
 
 ``torch.utils.cpp_extension.load`` compiles it once per torch version into
 ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/specdec/torch_extensions`` (about a minute with gcc);
@@ -15,7 +16,16 @@ from pathlib import Path
 
 import torch
 
-from specdec.kernels.woq_format import Int4Weight, Int8Weight, reference_linear
+from dataclasses import dataclass
+
+from specdec.kernels.woq_format import (
+    Int4Weight,
+    Int8Weight,
+    pack_nibbles,
+    reference_linear,
+    reference_linear_a8,
+    supports_a8,
+)
 
 _SOURCE = Path(__file__).parent / "csrc" / "woq_linear.cpp"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
@@ -82,3 +92,105 @@ def linear(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:
     if isinstance(weight, Int8Weight):
         return ops.int8_linear(x, weight.qweight, weight.scales)
     return ops.int4_linear(x, weight.packed, weight.scales, weight.offsets)
+
+
+_A8_SOURCE = Path(__file__).parent / "csrc" / "woq_a8.cpp"
+_A8_CPU_FLAGS = _CPU_FLAGS + ("avx512_vnni",)
+
+
+@functools.lru_cache(maxsize=1)
+def extension_a8():
+    """``torch.ops.specdec_woq_a8`` (the VNNI int8-activation kernel) once built, or None (after one
+    warning saying why: ``linear_a8`` then runs ``woq_format.reference_linear_a8``, much slower)."""
+    if os.environ.get("SPECDEC_DISABLE_WOQ_KERNEL", "0") not in ("", "0"):
+        return None
+    missing = [f for f in _A8_CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        warnings.warn(f"specdec: this CPU lacks {', '.join(missing)}; int8 activations use the slow "
+                      f"pure-torch path", stacklevel=3)
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name="specdec_woq_a8", sources=[str(_A8_SOURCE)], extra_cflags=_FLAGS + ["-mavx512vnni"],
+             build_directory=_build_dir(), is_python_module=False, verbose=False)
+        return torch.ops.specdec_woq_a8
+    except Exception as e:
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        warnings.warn(f"specdec: could not build the int8-activation CPU kernel ({type(e).__name__}: {last}); "
+                      f"falling back to the slow pure-torch path", stacklevel=3)
+        return None
+
+
+def a8_chunks(k: int) -> list[tuple[int, int]]:
+    """(start, size) of the chunks ``csrc/woq_a8.cpp`` cuts K into: 512, 256, 128, 64, largest first."""
+    out, c0 = [], 0
+    while c0 < k:
+        c = 512
+        while c > k - c0:
+            c //= 2
+        out.append((c0, c))
+        c0 += c
+    return out
+
+
+def a8_order(k: int) -> torch.Tensor:
+    """[K] int64: position p of the kernel's chunk order holds input ``a8_order(k)[p]`` (in a chunk
+    of C inputs, step s, lane l, byte t: input start + l * C / 16 + 4 s + t)."""
+    parts = []
+    for c0, c in a8_chunks(k):
+        w = c // 16
+        s, lane, t = torch.meshgrid(torch.arange(c // 64), torch.arange(16), torch.arange(4), indexing="ij")
+        parts.append((c0 + lane * w + 4 * s + t).reshape(-1))
+    return torch.cat(parts)
+
+
+@dataclass
+class A8Weight:
+    """An ``Int8Weight`` / ``Int4Weight`` with its integers in the VNNI kernel's chunk order (int8:
+    [N, K] int8; int4: [N, K / 2] uint8, 32 bytes per 64 positions, byte b = position b low,
+    b + 32 high), and the source's scales and (int4) offsets. ``source()`` gives the weight back."""
+    weight: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None  # int4 only
+
+    @property
+    def int4(self) -> bool:
+        return self.offsets is not None
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1] * (2 if self.int4 else 1)
+
+    @classmethod
+    def prepare(cls, weight: Int8Weight | Int4Weight) -> "A8Weight":
+        if not supports_a8(weight):
+            raise ValueError("int8 activations need K a multiple of 64 and weight groups a multiple of 32")
+        if isinstance(weight, Int8Weight):
+            return cls(weight.qweight[:, a8_order(weight.qweight.shape[1])].contiguous(), weight.scales, None)
+        n, k = weight.shape
+        q = weight.unpacked()[:, a8_order(k)].view(n, k // 64, 2, 32)
+        return cls((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous(), weight.scales, weight.offsets)
+
+    def source(self) -> Int8Weight | Int4Weight:
+        n, k = self.weight.shape[0], self.in_features
+        order = a8_order(k)
+        if not self.int4:
+            q = torch.empty_like(self.weight)
+            q[:, order] = self.weight
+            return Int8Weight(q, self.scales)
+        steps = self.weight.view(n, k // 64, 32)
+        values = torch.stack([steps & 0xF, steps >> 4], dim=2).reshape(n, k)  # chunk order
+        q = torch.empty_like(values)
+        q[:, order] = values
+        return Int4Weight(pack_nibbles(q), self.scales, self.offsets)
+
+
+def linear_a8(x: torch.Tensor, weight: A8Weight) -> torch.Tensor:
+    """``woq_format.reference_linear_a8(x, weight.source())`` (int8 activations), to float32
+    rounding; row i of an M-row call equals the one-row call bit for bit. x: [..., K] -> [..., N]."""
+    ops = extension_a8() if x.device.type == "cpu" else None
+    if ops is None:
+        return reference_linear_a8(x, weight.source())
+    offsets = weight.offsets if weight.int4 else weight.scales  # not read for int8
+    return ops.a8_linear(x, weight.weight, weight.scales, offsets, weight.in_features)

@@ -119,3 +119,61 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
 def reference_linear(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:
     """The definition: float32 matmul with the dequantized weight, result in x's dtype."""
     return F.linear(x.float(), weight.dequantize(torch.float32)).to(x.dtype)
+
+
+# ---- int8 activations (``"w8a8"`` / ``"w4a8"``) ----
+#
+# Each row of x is quantized on its own, per block of ``A8_BLOCK`` consecutive inputs: symmetric,
+# scale max|x| / 127 (0 for an all-zero block), q = round_half_even(x * (127 / max|x|)) in
+# -127..127, all in float32. The linear is then, per weight group, an exact integer dot product
+# of q with the weight integers, scaled in float: for int8 weights
+# y[m, n] = sum_b xs[m, b] * ws[n, g(b)] * sum_{k in b} q[m, k] w[n, k]; for int4
+# y[m, n] = sum_b xs[m, b] * (ws[n, g(b)] * sum_{k in b} q[m, k] w[n, k] + wo[n, g(b)] * sum_{k in b} q[m, k]).
+# A row's result depends on that row alone, so a row computed in a one-row call and inside an
+# M-row call is the same number.
+
+A8_BLOCK = 32  # activation inputs per int8 scale; weight groups are multiples of it
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] int8, scales [M, K / A8_BLOCK] float32), as defined above."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // A8_BLOCK, A8_BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    nonzero = amax > 0
+    # a true division (a Python scalar over a tensor would multiply by the reciprocal instead)
+    inv = torch.where(nonzero, torch.full_like(amax, 127.0) / torch.where(nonzero, amax, 1.0), 0.0)
+    q = torch.round(blocks * inv[:, :, None]).clamp(-127, 127).to(torch.int8)
+    scales = amax / torch.full_like(amax, 127.0)
+    return q.view(m, k), scales
+
+
+def supports_a8(weight: Int8Weight | Int4Weight) -> bool:
+    """Whether a weight takes int8 activations: K a multiple of 64, groups a multiple of 32."""
+    n, k = weight.shape if isinstance(weight, Int4Weight) else weight.qweight.shape
+    return k % 64 == 0 and weight.group_size % A8_BLOCK == 0
+
+
+def reference_linear_a8(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:
+    """The definition of the int8-activation linear (above): integer block sums exact in float64,
+    the scaling in float64, the result rounded to float32, then to x's dtype. x: [..., K] -> [..., N]."""
+    if not supports_a8(weight):
+        raise ValueError("int8 activations need K a multiple of 64 and weight groups a multiple of 32")
+    int4 = isinstance(weight, Int4Weight)
+    n, k = weight.shape if int4 else weight.qweight.shape
+    rows = x.reshape(-1, k)
+    q, xs = quantize_activations(rows)
+    nb, per_group = k // A8_BLOCK, weight.group_size // A8_BLOCK
+    w_int = (weight.unpacked() if int4 else weight.qweight).double().view(n, nb, A8_BLOCK)
+    ws = weight.scales.double().repeat_interleave(per_group, dim=1)  # [N, nb]
+    qd = q.double().view(-1, nb, A8_BLOCK)
+    xsd = xs.double()
+    y = torch.zeros(rows.shape[0], n, dtype=torch.float64)
+    for b in range(nb):
+        dots = qd[:, b] @ w_int[:, b].T  # [M, N], exact integers
+        term = dots * ws[:, b]
+        if int4:
+            wo = weight.offsets.double()[:, b // per_group]
+            term = term + qd[:, b].sum(-1, keepdim=True) * wo
+        y += xsd[:, b:b + 1] * term
+    return y.float().view(*x.shape[:-1], n).to(x.dtype)

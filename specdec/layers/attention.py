@@ -47,6 +47,7 @@ class AttentionMetadata:
     _groups: list | None = field(default=None, init=False, repr=False, compare=False)
     _padded: tuple | None = field(default=None, init=False, repr=False, compare=False)
     _torch_plan: object | None = field(default=None, init=False, repr=False, compare=False)
+    _rows_plan: object | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         q = self.query_start_loc_cpu

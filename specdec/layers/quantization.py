@@ -10,6 +10,13 @@
   Q6_K, Q4_0, Q4_1 and Q4_K tensors load straight into this layer (``specdec.models.gguf_quant``;
   ``PartsLinear`` for a fused q/k/v whose parts differ in format). The quantized weights *are* the
   target: speculation is lossless with respect to them.
+- ``"w8a8"`` / ``"w4a8"``: the same layers and weights with ``int8_activations``: each row of x
+  is quantized to int8 per block of 32 inputs and multiplied with integer dot products
+  (``woq_format.reference_linear_a8``; the VNNI kernel ``woq_cpu.linear_a8``). A row's result
+  depends on that row alone, bit for bit, and the rest of the forward computes a row the same
+  way in a one-row decode and in a K+1-row verification (``tests/models/test_row_consistency.py``),
+  so the int8 step function sees the same input in both and speculation stays lossless. A layer
+  whose shape the format does not take (in_features not a multiple of 64) stays weight-only.
 - ``DynamicInt8Linear`` (``"int8_dynamic"``): int8 weights (per-channel) and per-call int8
   activations through PyTorch's fbgemm dynamic-quantized linear; 2-3x faster than packed bf16
   at 1-6 rows on the development CPU. Activation quantization changes numerics more than
@@ -25,7 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.kernels import woq_cpu
-from specdec.kernels.woq_format import Int4Weight, Int8Weight, quantize_int4, quantize_int8
+from specdec.kernels.woq_format import (
+    Int4Weight,
+    Int8Weight,
+    quantize_int4,
+    quantize_int8,
+    supports_a8,
+)
 from specdec.layers.fp8 import Fp8Linear
 
 INT4_GROUP_SIZE = 128  # inputs per int4 scale / offset: 4.5 bits per weight with float32 scales
@@ -57,21 +70,32 @@ class WeightOnlyLinear(nn.Module):
     then ``F.linear``). The quantized tensors are buffers, so ``.to(device)`` moves them.
     """
 
-    def __init__(self, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None, compute_dtype: torch.dtype):
+    def __init__(self, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None, compute_dtype: torch.dtype,
+                 int8_activations: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight_shape(weight)
         self.compute_dtype = compute_dtype
         self.int4 = isinstance(weight, Int4Weight)
-        if self.int4:
+        # int8 activations (module docstring): the integers are kept in the VNNI kernel's order only
+        self.int8_activations = int8_activations and supports_a8(weight)
+        if self.int8_activations:
+            self.register_buffer("a8_layout", woq_cpu.A8Weight.prepare(weight).weight)
+        elif self.int4:
             self.register_buffer("packed", weight.packed)
-            self.register_buffer("offsets", weight.offsets)
         else:
             self.register_buffer("weight_int8", weight.qweight)
+        if self.int4:
+            self.register_buffer("offsets", weight.offsets)
         self.register_buffer("scales", weight.scales)
         # a parameter, as nn.Linear's: checkpoint loaders fill biases by parameter name
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
+    def a8_weight(self) -> woq_cpu.A8Weight:
+        return woq_cpu.A8Weight(self.a8_layout, self.scales, self.offsets if self.int4 else None)
+
     def quantized_weight(self) -> Int8Weight | Int4Weight:
+        if self.int8_activations:
+            return self.a8_weight().source()
         if self.int4:
             return Int4Weight(self.packed, self.scales, self.offsets)
         return Int8Weight(self.weight_int8, self.scales)
@@ -80,25 +104,28 @@ class WeightOnlyLinear(nn.Module):
         return self.quantized_weight().dequantize(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu":
+        if self.int8_activations:
+            out = woq_cpu.linear_a8(x, self.a8_weight())  # off CPU: the reference
+        elif x.device.type == "cpu":
             out = woq_cpu.linear(x, self.quantized_weight())
         else:
             out = F.linear(x, self.dequantized_weight().to(x.dtype))
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        kind = "int4" if self.int4 else "int8"
-        return f"{kind}, in={self.in_features}, out={self.out_features}, group={self.quantized_weight().group_size}"
+        kind = ("int4" if self.int4 else "int8") + (", int8 activations" if self.int8_activations else "")
+        return f"{kind}, in={self.in_features}, out={self.out_features}, group={self.in_features // self.scales.shape[1]}"
 
 
 class PartsLinear(nn.Module):
     """A fused linear whose row blocks are in different quantized formats (a GGUF Q4_K_M q/k/v:
     Q4_K q and k, Q6_K v): one ``WeightOnlyLinear`` per part, outputs concatenated."""
 
-    def __init__(self, parts: tuple, bias: torch.Tensor | None, compute_dtype: torch.dtype):
+    def __init__(self, parts: tuple, bias: torch.Tensor | None, compute_dtype: torch.dtype,
+                 int8_activations: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight_shape(parts)
-        self.parts = nn.ModuleList(WeightOnlyLinear(p, None, compute_dtype) for p in parts)
+        self.parts = nn.ModuleList(WeightOnlyLinear(p, None, compute_dtype, int8_activations) for p in parts)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -120,22 +147,30 @@ def _bias(linear: nn.Linear) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.detach().clone()
 
 
-def Int8Linear(linear: nn.Linear, group_size: int | None = None) -> WeightOnlyLinear:
+def Int8Linear(linear: nn.Linear, group_size: int | None = None, int8_activations: bool = False) -> WeightOnlyLinear:
     """Weight-only int8, one symmetric scale per output channel (or per ``group_size`` inputs)."""
     weight = quantize_int8(linear.weight, group_size)
-    return WeightOnlyLinear(weight, _bias(linear), linear.weight.dtype).to(linear.weight.device)
+    return WeightOnlyLinear(weight, _bias(linear), linear.weight.dtype, int8_activations).to(linear.weight.device)
 
 
-def Int4Linear(linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> WeightOnlyLinear:
+def Int4Linear(linear: nn.Linear, group_size: int = INT4_GROUP_SIZE, int8_activations: bool = False) -> WeightOnlyLinear:
     """Weight-only int4 with a scale and offset per group of inputs: ``group_size``, or the
     largest of its halves (down to 32) that divides in_features; int8 per channel if none does."""
     group = group_size
     while linear.in_features % group and group > 32:
         group //= 2
     if linear.in_features % group or group % 32:
-        return Int8Linear(linear)
+        return Int8Linear(linear, int8_activations=int8_activations)
     weight = quantize_int4(linear.weight, group)
-    return WeightOnlyLinear(weight, _bias(linear), linear.weight.dtype).to(linear.weight.device)
+    return WeightOnlyLinear(weight, _bias(linear), linear.weight.dtype, int8_activations).to(linear.weight.device)
+
+
+def W8A8Linear(linear: nn.Linear) -> WeightOnlyLinear:
+    return Int8Linear(linear, int8_activations=True)
+
+
+def W4A8Linear(linear: nn.Linear) -> WeightOnlyLinear:
+    return Int4Linear(linear, int8_activations=True)
 
 
 class DynamicInt8Linear(nn.Module):
@@ -156,9 +191,11 @@ class DynamicInt8Linear(nn.Module):
         return self.inner(x.float()).to(self.compute_dtype)
 
 
-QUANTIZATIONS = {"int8": Int8Linear, "int4": Int4Linear, "int8_dynamic": DynamicInt8Linear, "fp8": Fp8Linear}
+QUANTIZATIONS = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear, "w4a8": W4A8Linear,
+                 "int8_dynamic": DynamicInt8Linear, "fp8": Fp8Linear}
 # int4 keeps the LM head at int8, as llama.cpp's Q4 mixes keep output.weight at 6-8 bits
-_LM_HEAD_QUANTIZATION = {"int4": Int8Linear}
+_LM_HEAD_QUANTIZATION = {"int4": Int8Linear, "w4a8": W8A8Linear}
+_CPU_ONLY = ("int8_dynamic", "w8a8", "w4a8")
 
 
 def _replace_linears(module: nn.Module, make, lm_head_make=None, prefix: str = "") -> None:
@@ -170,13 +207,31 @@ def _replace_linears(module: nn.Module, make, lm_head_make=None, prefix: str = "
             _replace_linears(child, make, lm_head_make, f"{prefix}{name}.")
 
 
+def _with_int8_activations(module: nn.Module) -> None:
+    """Kept-quantized layers (a GGUF's) -> the same weights with int8 activations (w8a8 / w4a8)."""
+    for name, child in module.named_children():
+        if isinstance(child, WeightOnlyLinear) and not child.int8_activations:
+            bias = None if child.bias is None else child.bias.detach()
+            setattr(module, name, WeightOnlyLinear(child.quantized_weight(), bias, child.compute_dtype, True))
+        elif isinstance(child, PartsLinear):
+            parts = tuple(p.quantized_weight() for p in child.parts)
+            bias = None if child.bias is None else child.bias.detach()
+            setattr(module, name, PartsLinear(parts, bias, child.parts[0].compute_dtype, True))
+        else:
+            _with_int8_activations(child)
+
+
 def prepare_for_inference(model: nn.Module, quantization: str | None, device: torch.device) -> nn.Module:
-    """Swap linears for their fast inference form. Tied embeddings keep the original weight."""
+    """Swap linears for their fast inference form. Tied embeddings keep the original weight.
+    Layers already quantized (a GGUF's kept weights) keep their weights; ``w8a8`` / ``w4a8`` give
+    them int8 activations."""
     dtype = next(model.parameters()).dtype
     if quantization in QUANTIZATIONS:
-        if quantization == "int8_dynamic" and device.type != "cpu":
-            raise ValueError("quantization 'int8_dynamic' (fbgemm) runs on CPU only; use 'int8' on GPUs")
+        if quantization in _CPU_ONLY and device.type != "cpu":
+            raise ValueError(f"quantization {quantization!r} runs on CPU only; use 'int8' / 'int4' on GPUs")
         _replace_linears(model, QUANTIZATIONS[quantization], _LM_HEAD_QUANTIZATION.get(quantization))
+        if quantization in ("w8a8", "w4a8"):
+            _with_int8_activations(model)
     elif quantization is not None:
         raise ValueError(f"quantization must be None or one of {sorted(QUANTIZATIONS)}, got {quantization!r}")
     elif _can_pack(dtype, device):

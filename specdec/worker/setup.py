@@ -134,6 +134,11 @@ def _enable_graphs(cfg: EngineConfig, runner, draft_runner, max_model_len: int, 
                                             max_rows=rows)
 
 
+# int8 activations round a layer's input: they need every other op to compute a token's row the
+# same in a decode step and in a verification (specdec.kernels.attention_rows)
+ROW_CONSISTENT_QUANTIZATIONS = ("w8a8", "w4a8")
+
+
 def _attention_backend(cfg: EngineConfig, device):
     from specdec.layers.attention import (
         REFERENCE_BACKEND,
@@ -143,6 +148,11 @@ def _attention_backend(cfg: EngineConfig, device):
 
     if cfg.attention_backend == "reference":
         return REFERENCE_BACKEND
+    if cfg.attention_backend == "rows" or (cfg.attention_backend == "auto" and device.type == "cpu"
+                                          and cfg.quantization in ROW_CONSISTENT_QUANTIZATIONS):
+        from specdec.kernels.attention_rows import ROWS_BACKEND
+
+        return ROWS_BACKEND
     if cfg.attention_backend == "torch" or (cfg.attention_backend == "auto" and device.type != "cuda"):
         return TORCH_BACKEND
     try:

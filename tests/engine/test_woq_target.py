@@ -47,3 +47,35 @@ def test_kernel_decodes_the_tokens_of_the_pure_torch_reference(llama_path, promp
     fast = greedy_tokens(LLM(model=llama_path, **ENGINE, quantization=quantization), chosen)
     monkeypatch.setattr(woq_cpu, "extension", lambda: None)  # every layer takes the reference path
     assert greedy_tokens(LLM(model=llama_path, **ENGINE, quantization=quantization), chosen) == fast
+
+
+@pytest.fixture(scope="module")
+def wide_pair(make_model, make_perturbed_copy, tmp_path_factory):
+    """A target with SmolLM2-135M's attention shape (9 query / 3 kv heads of 64) and a noisy copy as draft."""
+    target = make_model("wide_llama", arch="llama", hidden_size=576, num_heads=9, num_kv_heads=3,
+                        intermediate_size=1536, initializer_range=0.05, random_norms_and_biases=True)
+    return target, make_perturbed_copy(target, tmp_path_factory.mktemp("wide_draft"), scale=0.1, seed=3)
+
+
+@pytest.mark.parametrize("quantization", ["w4a8", "w8a8"])
+@pytest.mark.parametrize("spec", [
+    {"method": "draft_model", "num_speculative_tokens": 3},
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+], ids=["draft-chain-k3", "ngram-k3"])
+def test_int8_activation_target_with_speculation_equals_it_without(wide_pair, prompts, quantization, spec):
+    """int8 activations make each layer a step function of its input: lossless only because every
+    other op computes a row the same in a decode step and in a verification (attention backend
+    "rows"); the plain run goes first, so the speculative one also meets its prompts' cached blocks."""
+    target, draft = wide_pair
+    chosen = prompts[:4]
+    spec = dict(spec, model=draft) if spec["method"] == "draft_model" else spec
+    llm = LLM(model=target, **ENGINE, quantization=quantization, speculative_config=spec)
+    model = llm.engine.executor.driver_worker.runner.model
+    assert model.layers[0].self_attn.backend.name == "rows"
+    assert sum(isinstance(m, WeightOnlyLinear) and m.int8_activations for m in model.modules()) > 0
+    plain = greedy_tokens(llm, chosen, use_speculation=False)
+    assert greedy_tokens(llm, chosen) == plain
+    # the next token came from row 0 of a multi-row verification, not from a one-row decode
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+    if spec["method"] == "draft_model":
+        assert llm.get_metrics()["num_accepted_tokens"] > 0

@@ -15,9 +15,12 @@ from specdec.kernels import woq_cpu
 from specdec.kernels.woq_format import (
     Int4Weight,
     Int8Weight,
+    quantize_activations,
     quantize_int4,
     quantize_int8,
     reference_linear,
+    reference_linear_a8,
+    supports_a8,
 )
 
 needs_kernel = pytest.mark.skipif(not woq_cpu.available(), reason="no AVX-512 kernel on this machine")
@@ -124,3 +127,104 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
             assert torch.equal(woq_cpu.linear(x, weight), reference_linear(x, weight))
     finally:
         woq_cpu.extension.cache_clear()
+
+
+# ---- int8 activations (w8a8 / w4a8): csrc/woq_a8.cpp against woq_format.reference_linear_a8 ----
+
+needs_a8_kernel = pytest.mark.skipif(woq_cpu.extension_a8() is None, reason="no AVX-512 VNNI kernel here")
+
+A8_FORMATS = {
+    "w8a8-channel": lambda w: quantize_int8(w),
+    "w8a8-g32": lambda w: quantize_int8(w, 32),
+    "w4a8-g32": lambda w: quantize_int4(w, 32),
+    "w4a8-g64": lambda w: quantize_int4(w, 64),
+    "w4a8-g128": lambda w: quantize_int4(w, 128),
+}
+
+
+def a8_case(fmt: str, n: int, k: int, rows: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[:, :3] *= 20
+    x = torch.randn(rows, k, generator=g) * 3
+    x[:, 5] *= 50  # an outlier input: its block's scale differs from the others'
+    x[0, 32:64] = 0  # an all-zero block: scale 0
+    return A8_FORMATS[fmt](w), x
+
+
+def a8_error_bound(x: torch.Tensor, weight) -> torch.Tensor:
+    """Both sides add the same exact terms xs * (ws * I + wo * S) per 32-input block, in different
+    orders, with a few roundings per term: within (K / 32 + 8) eps32 of the sum of their magnitudes."""
+    q, xs = quantize_activations(x)
+    k = x.shape[-1]
+    w = weight.dequantize(torch.float64).abs()  # int8: |ws q|
+    if isinstance(weight, Int4Weight):  # |ws| q + |wo|: the two terms are rounded apart
+        w = (weight.unpacked().double() * weight.scales.double().repeat_interleave(weight.group_size, 1)
+             + weight.offsets.double().abs().repeat_interleave(weight.group_size, 1))
+    xd = (q.double().abs() * xs.double().repeat_interleave(32, 1))
+    return 2 * (k / 32 + 8) * 2.0 ** -24 * (xd @ w.T) + 1e-30
+
+
+def test_activation_quantization_is_as_documented():
+    x = torch.tensor([[0.5, -1.0, 0.25, 1.5 / 127] + [0.0] * 28 + [0.0] * 32])
+    q, scales = quantize_activations(x)
+    assert scales.shape == (1, 2) and scales[0, 1] == 0 and torch.equal(q[0, 32:], torch.zeros(32, dtype=torch.int8))
+    assert scales[0, 0] == torch.tensor(1.0) / torch.tensor(127.0)
+    assert q[0, :4].tolist() == [64, -127, 32, 2]  # 63.5 -> 64 and 1.5 -> 2: round half to even
+
+
+@needs_a8_kernel
+@pytest.mark.parametrize("k", [64, 576, 896, 1536])
+@pytest.mark.parametrize("int4", [False, True])
+def test_kernel_quantizes_activations_as_the_reference_bitwise(k, int4):
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(5, k, generator=g) * torch.logspace(-3, 3, k)[torch.randperm(k, generator=g)]
+    x[1, 64:] = 0
+    q, xs = quantize_activations(x)
+    xq, lane_scales, lane_sums = woq_cpu.extension_a8().a8_quantize(x, 32, int4)
+    order = woq_cpu.a8_order(k)
+    got = xq.view(torch.int8) if int4 else (xq.to(torch.int16) - 128).to(torch.int8)
+    assert torch.equal(got, q[:, order])
+    # lane j of a chunk of c inputs from c0 owns inputs c0 + j c / 16 ...: its scale is its block's
+    chunk_lane_first = [c0 + j * (c // 16) for c0, c in woq_cpu.a8_chunks(k) for j in range(16)]
+    assert torch.equal(lane_scales, xs[:, [f // 32 for f in chunk_lane_first]])
+    if int4:
+        sums = [q[:, f:f + c // 16].sum(-1) for c0, c in woq_cpu.a8_chunks(k) for f in
+                [c0 + j * (c // 16) for j in range(16)]]
+        assert torch.equal(lane_sums, torch.stack(sums, 1).float())
+
+
+@needs_a8_kernel
+@pytest.mark.parametrize("fmt", list(A8_FORMATS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 9, 13])
+@pytest.mark.parametrize("k", [256, 576, 896])
+def test_a8_kernel_matches_its_reference_within_float32_rounding(fmt, rows, k):
+    if fmt.endswith("g128") and k % 128:
+        pytest.skip("groups of 128 do not divide K")
+    weight, x = a8_case(fmt, n=37, k=k, rows=rows)
+    y = woq_cpu.linear_a8(x, woq_cpu.A8Weight.prepare(weight)).double()
+    ref = reference_linear_a8(x, weight).double()
+    assert (y - ref).abs().le(a8_error_bound(x, weight)).all(), (y - ref).abs().max()
+    # the quantized activations are a different function: far from the weight-only result in ulps
+    assert not torch.equal(y.float(), reference_linear(x, weight))
+
+
+@needs_a8_kernel
+@pytest.mark.parametrize("fmt", list(A8_FORMATS))
+def test_a8_row_i_of_an_m_row_call_equals_the_one_row_call_bitwise(fmt):
+    weight, x = a8_case(fmt, n=67, k=640 if fmt.endswith("g128") else 576, rows=12, seed=1)
+    x[4] *= 1000  # one row's magnitude must not leak into the others
+    kw = woq_cpu.A8Weight.prepare(weight)
+    full = woq_cpu.linear_a8(x, kw)
+    for m in range(1, 13):
+        assert torch.equal(woq_cpu.linear_a8(x[:m], kw), full[:m])
+    for i in range(12):
+        assert torch.equal(woq_cpu.linear_a8(x[i:i + 1], kw), full[i:i + 1])
+    assert torch.equal(woq_cpu.linear_a8(x[[7, 2, 9]], kw), full[[7, 2, 9]])
+
+
+def test_a8_falls_back_to_the_reference_without_the_kernel(monkeypatch):
+    weight, x = a8_case("w4a8-g32", n=9, k=128, rows=3)
+    monkeypatch.setattr(woq_cpu, "extension_a8", lambda: None)
+    assert torch.equal(woq_cpu.linear_a8(x, woq_cpu.A8Weight.prepare(weight)), reference_linear_a8(x, weight))
+    assert not supports_a8(quantize_int8(torch.randn(4, 96)))  # K not a multiple of 64

@@ -5,11 +5,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.layers.norm import RMSNorm
-from specdec.kernels.woq_format import reference_linear
+from specdec.kernels.woq_format import quantize_int4, quantize_int8, reference_linear, reference_linear_a8
 from specdec.layers.quantization import (
     Int4Linear,
     Int8Linear,
     PackedLinear,
+    W4A8Linear,
+    W8A8Linear,
     WeightOnlyLinear,
     _can_pack,
     prepare_for_inference,
@@ -27,6 +29,26 @@ def test_weight_only_linear_is_the_reference_plus_bias(make, rows):
     torch.testing.assert_close(q(x), expected, rtol=1e-5, atol=1e-5)
     # and the quantization error itself is small relative to the float layer
     assert (q(x) - lin(x)).abs().max() < 0.1 * lin(x).abs().max()
+
+
+@pytest.mark.parametrize("make,int4", [(W8A8Linear, False), (W4A8Linear, True)])
+def test_int8_activation_linear_is_its_reference_on_the_same_weights_plus_bias(make, int4):
+    torch.manual_seed(0)
+    lin = nn.Linear(576, 40, bias=True)
+    q = make(lin)
+    assert q.int8_activations and q.int4 == int4 and "int8 activations" in repr(q)
+    # the integers are kept once, in the kernel's order; the weight comes back exactly
+    names = {name for name, _ in q.named_buffers()}
+    assert "a8_layout" in names and not names & {"packed", "weight_int8"}
+    same = quantize_int4(lin.weight, 64) if int4 else quantize_int8(lin.weight)
+    back = q.quantized_weight()
+    assert all(torch.equal(getattr(back, f), getattr(same, f)) for f in
+               (("packed", "scales", "offsets") if int4 else ("qweight", "scales")))
+    x = torch.randn(5, 576)
+    torch.testing.assert_close(q(x), reference_linear_a8(x, same) + q.bias, rtol=1e-5, atol=1e-5)
+    assert (q(x) - lin(x)).abs().max() < 0.1 * lin(x).abs().max()
+    # a shape the format does not take stays weight-only
+    assert not W4A8Linear(nn.Linear(96, 8)).int8_activations
 
 
 def test_int8_weights_round_to_within_half_a_step():

@@ -1,0 +1,95 @@
+"""Row-consistent paged attention for CPUs (``csrc/attention_rows.cpp``, AVX-512, float32).
+
+Each (query row, head) is computed on its own over exactly the keys it may see, in key order, so
+a token's attention output does not depend on the rest of the step: not on how many rows its
+request has (a one-row decode or K+1 verification rows), nor on the other requests and the
+padding ``paged_attention_torch`` gives them (its batched matmuls sum a row differently when the
+step's longest context or query length changes). The int8-activation linears ("w8a8" / "w4a8")
+need this: they round their inputs to int8, so one ulp of difference could change the output.
+Built on first use like ``woq_cpu``; without it (no AVX-512, a failed build,
+``SPECDEC_DISABLE_WOQ_KERNEL=1``) or for other dtypes ``paged_attention_rows`` runs
+``paged_attention_torch``, and speculation with int8 activations is then no longer guaranteed to
+reproduce plain decoding (warned once).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from specdec.kernels import woq_cpu
+from specdec.layers.attention import AttentionBackend, AttentionMetadata, paged_attention_torch, write_kv_cache
+
+_SOURCE = Path(__file__).parent / "csrc" / "attention_rows.cpp"
+
+
+@functools.lru_cache(maxsize=1)
+def extension():
+    """``torch.ops.specdec_attention_rows`` once built, or None (after one warning saying why)."""
+    consequence = "speculation with int8 activations (w8a8 / w4a8) may then differ from plain decoding"
+    if os.environ.get("SPECDEC_DISABLE_WOQ_KERNEL", "0") not in ("", "0"):
+        warnings.warn(f"specdec: SPECDEC_DISABLE_WOQ_KERNEL: row-consistent attention runs the batched torch "
+                      f"path; {consequence}", stacklevel=3)
+        return None
+    missing = [f for f in woq_cpu._CPU_FLAGS if f not in woq_cpu._cpu_flags()]
+    if missing:
+        warnings.warn(f"specdec: this CPU lacks {', '.join(missing)}; row-consistent attention falls back to "
+                      f"the batched torch path; {consequence}", stacklevel=3)
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name="specdec_attention_rows", sources=[str(_SOURCE)], extra_cflags=woq_cpu._FLAGS,
+             build_directory=woq_cpu._build_dir(), is_python_module=False, verbose=False)
+        return torch.ops.specdec_attention_rows
+    except Exception as e:
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        warnings.warn(f"specdec: could not build the row-consistent attention kernel ({type(e).__name__}: "
+                      f"{last}); falling back to the batched torch path; {consequence}", stacklevel=3)
+        return None
+
+
+def _tree_inputs(meta: AttentionMetadata):
+    """(tree_base [R], tree_mask [T, width] uint8) for a step with token trees, else (None, None);
+    cached on the metadata (every layer of the step reuses them)."""
+    if meta.tree_masks is None:
+        return None, None
+    if meta._rows_plan is None:
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        width = max((lens[r] - tree[0] for r, tree in enumerate(meta.tree_masks) if tree is not None), default=1)
+        base = torch.tensor([lens[r] if tree is None else tree[0] for r, tree in enumerate(meta.tree_masks)])
+        mask = torch.zeros(qsl[-1], max(1, width), dtype=torch.uint8)
+        for r, tree in enumerate(meta.tree_masks):
+            if tree is not None:
+                node_mask = tree[1].to(torch.uint8).cpu()
+                mask[qsl[r]:qsl[r] + node_mask.shape[0], :node_mask.shape[1]] = node_mask
+        meta._rows_plan = (base, mask)
+    return meta._rows_plan
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_batched_once(dtype: torch.dtype, head_dim: int) -> None:
+    if extension() is not None:  # the kernel exists: it is the dtype or head size it does not take
+        warnings.warn(f"specdec: row-consistent attention takes float32 and head_dim <= 256, not {dtype} / "
+                      f"{head_dim}: the batched torch path runs instead", stacklevel=4)
+
+
+def paged_attention_rows(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    ops = extension() if query.device.type == "cpu" else None
+    if ops is None or query.dtype != torch.float32 or kv_cache.dtype != torch.float32 or query.shape[-1] > 256:
+        _warn_batched_once(query.dtype, query.shape[-1])
+        return paged_attention_torch(query, kv_cache, meta, scale)
+    base, mask = _tree_inputs(meta)
+    return ops.attention_rows(query.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                              scale, base, mask)
+
+
+ROWS_BACKEND = AttentionBackend("rows", write_kv_cache, paged_attention_rows)

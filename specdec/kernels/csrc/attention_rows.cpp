@@ -1,0 +1,140 @@
+// Paged attention for CPUs with AVX-512, float32, in which every (query row, head) is computed on
+// its own: the same instruction sequence over the keys it may see, in key order, whatever the
+// other rows of the call, the padding of the batch or the number of keys it may not see. So a
+// token's row is the same number in a one-row decode step, in row j of a K+1-row verification and
+// next to any other requests (``specdec.layers.attention.ROWS_BACKEND``).
+//
+// Per (row, head): s_n = (q * scale) . k_n (D / 16 FMAs in one chain, then a fixed horizontal sum)
+// for each visible key n; m = max s_n; p_n = exp(s_n - m) (a polynomial exp, the same
+// instructions for every element); l = sum p_n and o = sum p_n v_n in key order; out = o / l.
+// Visible: n <= seq_len - q_len + j (bottom-right causal) and, for a token-tree request, n < base
+// or bit (n - base) of the row's mask.
+#include <immintrin.h>
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0: 2^k * P(r), x = k ln2 + r, |r| <= ln2 / 2 (Cephes expf coefficients).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, k);
+}
+
+struct Args {
+  const float* q;  // [T, H, D]
+  const float* k;  // [num_blocks, block_size, Hkv, D]
+  const float* v;
+  const int64_t* block_tables;  // [R, W]
+  const int64_t* seq_lens;      // [R]
+  const int64_t* qsl;           // [R + 1]
+  const int64_t* tree_base;     // [R] or null
+  const uint8_t* tree_mask;     // [T, tree_width] or null
+  int64_t tree_width, W, bs, H, Hkv, D;
+  float scale;
+  float* out;  // [T, H, D]
+};
+
+void one_row(const Args& a, int64_t r, int64_t t, int64_t h, std::vector<float>& s, std::vector<int32_t>& keys) {
+  const int64_t seq_len = a.seq_lens[r], q_len = a.qsl[r + 1] - a.qsl[r];
+  const int64_t j = t - a.qsl[r], limit = seq_len - q_len + j;  // last visible key
+  const int64_t base = a.tree_base != nullptr ? a.tree_base[r] : seq_len;
+  const uint8_t* mask = a.tree_mask != nullptr ? a.tree_mask + t * a.tree_width : nullptr;
+  const int64_t kvh = h / (a.H / a.Hkv), D = a.D;
+  const int64_t chunks = D / 16, rem = D % 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << rem) - 1);
+  const float* qrow = a.q + (t * a.H + h) * D;
+  __m512 qv[16];  // D <= 256
+  for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(qrow + 16 * c), _mm512_set1_ps(a.scale));
+  if (rem) qv[chunks] = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, qrow + 16 * chunks), _mm512_set1_ps(a.scale));
+  const int64_t* table = a.block_tables + r * a.W;
+  keys.clear();
+  for (int64_t n = 0; n <= limit; ++n)
+    if (n < base || mask[n - base]) keys.push_back(static_cast<int32_t>(n));
+  const int64_t nk = static_cast<int64_t>(keys.size());
+  s.resize(nk + 16);
+  float m = -INFINITY;
+  for (int64_t i = 0; i < nk; ++i) {
+    const int64_t n = keys[i];
+    const float* kr = a.k + ((table[n / a.bs] * a.bs + n % a.bs) * a.Hkv + kvh) * D;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc);
+    if (rem) acc = _mm512_fmadd_ps(qv[chunks], _mm512_maskz_loadu_ps(tail, kr + 16 * chunks), acc);
+    s[i] = _mm512_reduce_add_ps(acc);
+    m = std::max(m, s[i]);
+  }
+  const __m512 mv = _mm512_set1_ps(m);
+  for (int64_t i = 0; i < nk; i += 16) {  // padding lanes are computed and never read
+    _mm512_storeu_ps(s.data() + i, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s.data() + i), mv)));
+  }
+  float l = 0.0f;
+  __m512 o[16];
+  for (int64_t c = 0; c <= chunks; ++c) o[c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nk; ++i) {
+    const int64_t n = keys[i];
+    const float* vr = a.v + ((table[n / a.bs] * a.bs + n % a.bs) * a.Hkv + kvh) * D;
+    const __m512 p = _mm512_set1_ps(s[i]);
+    l += s[i];
+    for (int64_t c = 0; c < chunks; ++c) o[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * c), o[c]);
+    if (rem) o[chunks] = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(tail, vr + 16 * chunks), o[chunks]);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / l);
+  float* orow = a.out + (t * a.H + h) * D;
+  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(orow + 16 * c, _mm512_mul_ps(o[c], inv));
+  if (rem) _mm512_mask_storeu_ps(orow + 16 * chunks, tail, _mm512_mul_ps(o[chunks], inv));
+}
+
+}  // namespace
+
+at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                          const c10::optional<at::Tensor>& tree_base, const c10::optional<at::Tensor>& tree_mask) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "attention_rows: float32");
+  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous inputs");
+  const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
+  const int64_t bs = kv_cache.size(2), Hkv = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == D && H % Hkv == 0 && D <= 256, "attention_rows: shapes");
+  const at::Tensor sl = seq_lens.to(at::kLong).contiguous(), qsl = query_start_loc.to(at::kLong).contiguous();
+  const at::Tensor bt = block_tables.to(at::kLong).contiguous();
+  at::Tensor out = at::empty_like(query);
+  const int64_t R = sl.size(0);
+  const bool tree = tree_base.has_value() && tree_base->defined();
+  const at::Tensor tb = tree ? tree_base->to(at::kLong).contiguous() : at::Tensor();
+  const at::Tensor tm = tree ? tree_mask->to(at::kByte).contiguous() : at::Tensor();
+  const Args a{query.data_ptr<float>(), kv_cache[0].data_ptr<float>(), kv_cache[1].data_ptr<float>(),
+               bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), qsl.data_ptr<int64_t>(),
+               tree ? tb.data_ptr<int64_t>() : nullptr, tree ? tm.data_ptr<uint8_t>() : nullptr,
+               tree ? tm.size(1) : 0, bt.size(1), bs, H, Hkv, D, static_cast<float>(scale), out.data_ptr<float>()};
+  std::vector<int64_t> row_req(T, -1);
+  const int64_t* q = qsl.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t t = q[r]; t < q[r + 1]; ++t) row_req[t] = r;
+  at::parallel_for(0, T * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s;
+    std::vector<int32_t> keys;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / H, h = i % H;
+      if (row_req[t] >= 0) one_row(a, row_req[t], t, h, s, keys);
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY(specdec_attention_rows, m) {
+  m.def("attention_rows(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, float scale, Tensor? tree_base, Tensor? tree_mask) -> Tensor", &attention_rows);
+}

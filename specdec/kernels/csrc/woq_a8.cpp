@@ -1,0 +1,304 @@
+// int8-activation linear for x86 CPUs with AVX-512 VNNI: y[M, N] = A8(x)[M, K] . W[N, K]^T, the
+// function woq_format.reference_linear_a8 defines (int8 / int4 weights; x quantized per row per
+// block of 32 inputs, symmetric, round half to even; integer block sums; float scaling).
+//
+// Layout. K is cut into chunks of 512, 256, 128 or 64 inputs (greedy, largest first). In a chunk
+// of C inputs, 32-bit lane l of a 512-bit register owns the W = C / 16 consecutive inputs
+// l*W .. l*W + W - 1, and step s of the chunk's C / 64 steps holds inputs l*W + 4s .. l*W + 4s + 3
+// of every lane in bytes 4l .. 4l + 3. So one vpdpbusd per step adds 4 products to each lane, a
+// lane never leaves one 32-input activation block (nor one weight group), and after the chunk one
+// conversion and two or three float operations per (row, output) apply the 16 lanes' activation
+// and weight scales at once. Activations are written in this order when quantized; weights are
+// stored in it once (woq_cpu.A8Weight): int8 as is, int4 as 32 bytes per step with byte b holding
+// position b in its low nibble and position b + 32 in its high nibble.
+//
+// int4: vpdpbusd(u8 weights 0..15, s8 activations); the offset term is offset * (sum of the lane's
+// activations). int8: vpdpbusd(u8 = activations + 128, s8 weights) minus 128 * (sum of the lane's
+// weights), that sum taken by one more vpdpbusd per step against ones, shared by the tile's rows.
+//
+// Every (row, output) result is the same instruction sequence whatever M is and whichever rows
+// share its tile, so row i of an M-row call equals the 1-row call bit for bit.
+#include <immintrin.h>
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+namespace {
+
+// outputs per tile for 1, 2, 3, 4, 5-6 and 7-9 rows
+#ifndef A8_NB1
+#define A8_NB1 4
+#endif
+#ifndef A8_NB2
+#define A8_NB2 4
+#endif
+#ifndef A8_NB3
+#define A8_NB3 4
+#endif
+#ifndef A8_NB4
+#define A8_NB4 4
+#endif
+#ifndef A8_NB6
+#define A8_NB6 3
+#endif
+#ifndef A8_NB9
+#define A8_NB9 2
+#endif
+#ifndef A8_PREFETCH_STEPS
+#define A8_PREFETCH_STEPS 64  // steps of 64 inputs ahead in each weight row (int8: 4 KB, int4: 2 KB)
+#endif
+#ifndef A8_LIB
+#define A8_LIB specdec_woq_a8
+#endif
+
+struct Chunk {
+  int64_t c0, C, g0;
+  __m512i group_of_lane;  // lane -> its weight group, relative to g0
+  __mmask16 groups;       // the groups the chunk touches, from g0
+};
+
+std::vector<Chunk> make_chunks(int64_t K, int64_t G) {
+  std::vector<Chunk> out;
+  int64_t c0 = 0;
+  while (c0 < K) {
+    int64_t C = 512;
+    while (C > K - c0) C /= 2;
+    Chunk c;
+    c.c0 = c0;
+    c.C = C;
+    c.g0 = c0 / G;
+    alignas(64) int32_t idx[16];
+    for (int l = 0; l < 16; ++l) idx[l] = static_cast<int32_t>((c0 + l * (C / 16)) / G - c.g0);
+    c.group_of_lane = _mm512_load_si512(idx);
+    c.groups = static_cast<__mmask16>((1u << (idx[15] + 1)) - 1);
+    out.push_back(c);
+    c0 += C;
+  }
+  return out;
+}
+
+struct Args {
+  const uint8_t* xq;    // [M, K] activations in chunk order (int4: s8 bit patterns; int8: + 128)
+  const float* xs;      // [M, L] the activation scale of each lane (L = 16 * chunks)
+  const float* xsum;    // [M, L] int4: the sum of each lane's quantized activations
+  const uint8_t* w;     // int8 [N, K] or int4 [N, K / 2], chunk order
+  const float* ws;      // [N, K / G]
+  const float* wo;      // [N, K / G] int4 offsets
+  const Chunk* chunks;
+  int64_t num_chunks, K, G, L, N;
+  float* y;
+};
+
+// acc += u8 a . s8 b per 32-bit lane (vpdpbusd), accumulating in place: written with the
+// intrinsic, gcc 12 copies every accumulator of a large tile through another register (and the
+// stack) on each step, which costs more than the dot products.
+__attribute__((always_inline)) inline void dpbusd(__m512i& acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+}
+
+template <bool INT4>
+__attribute__((always_inline)) inline __m512i load_weights(const Args& a, int64_t n, int64_t k) {
+  if (!INT4) return _mm512_loadu_si512(a.w + n * a.K + k);
+  // the 32 bytes in both halves; the upper half's 16-bit words shifted right by 4: after the
+  // mask, low nibbles (positions 0-31) below, high nibbles (positions 32-63) above
+  const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.w + n * (a.K / 2) + k / 2)));
+  return _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4), _mm512_set1_epi8(0x0F));
+}
+
+template <bool INT4, int NB, int MB>
+void tile(const Args& a, int64_t n0, int64_t m0) {
+  const int64_t ng = a.K / a.G;
+  const __m512i ones = _mm512_set1_epi8(1);
+  // float accumulators live in memory (L1): touched once per chunk, they leave the registers to
+  // the integer accumulators of the inner loop
+  alignas(64) float facc_mem[NB][MB][16] = {};
+  for (int64_t c = 0; c < a.num_chunks; ++c) {
+    const Chunk& ch = a.chunks[c];
+    __m512i iacc[NB][MB], wsum[NB];
+    for (int n = 0; n < NB; ++n) {
+      wsum[n] = _mm512_setzero_si512();
+      for (int m = 0; m < MB; ++m) iacc[n][m] = _mm512_setzero_si512();
+    }
+    for (int64_t k = ch.c0; k < ch.c0 + ch.C; k += 64) {
+      __m512i w[NB];
+      for (int n = 0; n < NB; ++n) {
+        const uint8_t* row = a.w + (n0 + n) * (INT4 ? a.K / 2 : a.K) + (INT4 ? k / 2 : k);
+        _mm_prefetch(reinterpret_cast<const char*>(row + A8_PREFETCH_STEPS * (INT4 ? 32 : 64)), _MM_HINT_T0);
+        w[n] = load_weights<INT4>(a, n0 + n, k);
+        if (!INT4) dpbusd(wsum[n], ones, w[n]);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m512i x = _mm512_loadu_si512(a.xq + (m0 + m) * a.K + k);
+        for (int n = 0; n < NB; ++n)
+          INT4 ? dpbusd(iacc[n][m], w[n], x) : dpbusd(iacc[n][m], x, w[n]);
+      }
+    }
+    __m512 sv[NB], ov[NB];
+    for (int n = 0; n < NB; ++n) {
+      const int64_t base = (n0 + n) * ng + ch.g0;
+      sv[n] = _mm512_permutexvar_ps(ch.group_of_lane, _mm512_maskz_loadu_ps(ch.groups, a.ws + base));
+      if (INT4) ov[n] = _mm512_permutexvar_ps(ch.group_of_lane, _mm512_maskz_loadu_ps(ch.groups, a.wo + base));
+      else wsum[n] = _mm512_slli_epi32(wsum[n], 7);
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xs = _mm512_loadu_ps(a.xs + (m0 + m) * a.L + 16 * c);
+      if (INT4) {
+        const __m512 xsum = _mm512_loadu_ps(a.xsum + (m0 + m) * a.L + 16 * c);
+        for (int n = 0; n < NB; ++n) {
+          const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[n][m]), sv[n], _mm512_mul_ps(ov[n], xsum));
+          _mm512_store_ps(facc_mem[n][m], _mm512_fmadd_ps(t, xs, _mm512_load_ps(facc_mem[n][m])));
+        }
+      } else {
+        for (int n = 0; n < NB; ++n) {
+          const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[n][m], wsum[n])), sv[n]);
+          _mm512_store_ps(facc_mem[n][m], _mm512_fmadd_ps(t, xs, _mm512_load_ps(facc_mem[n][m])));
+        }
+      }
+    }
+  }
+  for (int n = 0; n < NB; ++n)
+    for (int m = 0; m < MB; ++m) a.y[(m0 + m) * a.N + n0 + n] = _mm512_reduce_add_ps(_mm512_load_ps(facc_mem[n][m]));
+}
+
+template <bool INT4, int NB, int MB>
+void run(const Args& a) {
+  const int64_t full = a.N / NB;
+  at::parallel_for(0, full, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) tile<INT4, NB, MB>(a, b * NB, 0);
+  });
+  for (int64_t n = full * NB; n < a.N; ++n) tile<INT4, 1, MB>(a, n, 0);
+}
+
+// One tile holds all M <= 9 rows, so each weight is loaded (and int4 unpacked) once per call;
+// outputs per tile shrink as rows grow to keep the integer accumulators in registers.
+template <bool INT4>
+void run_rows(const Args& a, int64_t M) {
+  switch (M) {
+    case 1: run<INT4, A8_NB1, 1>(a); break;
+    case 2: run<INT4, A8_NB2, 2>(a); break;
+    case 3: run<INT4, A8_NB3, 3>(a); break;
+    case 4: run<INT4, A8_NB4, 4>(a); break;
+    case 5: run<INT4, A8_NB6, 5>(a); break;
+    case 6: run<INT4, A8_NB6, 6>(a); break;
+    case 7: run<INT4, A8_NB9, 7>(a); break;
+    case 8: run<INT4, A8_NB9, 8>(a); break;
+    case 9: run<INT4, A8_NB9, 9>(a); break;
+    default: break;
+  }
+}
+
+template <bool INT4>
+void run_all(const Args& a, int64_t M) {
+  // more rows: blocks of kMaxRows with their own Args offsets, the remainder last
+  constexpr int64_t kMaxRows = 9;
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    Args part = a;
+    part.xq += m0 * a.K;
+    part.xs += m0 * a.L;
+    if (INT4) part.xsum += m0 * a.L;
+    part.y += m0 * a.N;
+    run_rows<INT4>(part, std::min(kMaxRows, M - m0));
+  }
+}
+
+// Rows of x -> activations in chunk order, per-lane scales and (int4) per-lane sums.
+void quantize_rows(const float* x, int64_t M, int64_t K, const std::vector<Chunk>& chunks, bool int4, uint8_t* xq,
+                   float* xs, float* xsum) {
+  const int64_t L = 16 * static_cast<int64_t>(chunks.size());
+  std::vector<int8_t> q(K);
+  std::vector<float> bs(K / 32);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const __m512i ones = _mm512_set1_epi8(1), bias = _mm512_set1_epi8(static_cast<char>(0x80));  // + 128 (mod 256)
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const __m512 v0 = _mm512_loadu_ps(row + 32 * b), v1 = _mm512_loadu_ps(row + 32 * b + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      bs[b] = amax / 127.0f;
+      const __m512i q0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), lo), hi);
+      const __m512i q1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)), lo), hi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + 32 * b), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
+    }
+    uint8_t* out = xq + m * K;
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const int64_t c0 = chunks[c].c0, W = chunks[c].C / 16;
+      // lane l's first input c0 + l W: its 4-byte words, step by step, and its block's scale
+      const __m512i first = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(c0)),
+                                             _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(W))));
+      _mm512_storeu_ps(xs + m * L + 16 * c, _mm512_i32gather_ps(_mm512_srli_epi32(first, 5), bs.data(), 4));
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t s = 0; s < W / 4; ++s) {
+        const __m512i word = _mm512_add_epi32(_mm512_srli_epi32(first, 2), _mm512_set1_epi32(static_cast<int32_t>(s)));
+        const __m512i v = _mm512_i32gather_epi32(word, q.data(), 4);
+        sum = _mm512_dpbusd_epi32(sum, ones, v);  // 1 * each signed byte: the lane's sum
+        _mm512_storeu_si512(out + c0 + 64 * s, int4 ? v : _mm512_xor_si512(v, bias));
+      }
+      if (xsum != nullptr) _mm512_storeu_ps(xsum + m * L + 16 * c, _mm512_cvtepi32_ps(sum));
+    }
+  }
+}
+
+void check_shapes(const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& offsets, int64_t K,
+                  bool int4) {
+  TORCH_CHECK(weight.is_contiguous() && weight.size(1) == (int4 ? K / 2 : K), "woq a8: weight [N, K] / [N, K / 2]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == weight.size(0),
+              "woq a8: float32 [N, K / G] scales");
+  const int64_t G = K / scales.size(1);
+  TORCH_CHECK(K % 64 == 0 && G % 32 == 0 && G * scales.size(1) == K, "woq a8: K a multiple of 64, G of 32");
+  TORCH_CHECK(!int4 || (offsets.scalar_type() == at::kFloat && offsets.sizes() == scales.sizes() &&
+                        offsets.is_contiguous()), "woq a8: float32 int4 offsets shaped as the scales");
+}
+
+}  // namespace
+
+at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                     const at::Tensor& offsets, int64_t K) {
+  const bool int4 = weight.scalar_type() == at::kByte;
+  TORCH_CHECK(int4 || weight.scalar_type() == at::kChar, "woq a8: int8 or packed uint8 int4 weight");
+  check_shapes(weight, scales, offsets, K, int4);
+  TORCH_CHECK(x.size(-1) == K, "woq a8: x has ", x.size(-1), " inputs, the weight ", K);
+  const int64_t N = weight.size(0), G = K / scales.size(1);
+  const at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  const std::vector<Chunk> chunks = make_chunks(K, G);
+  const int64_t L = 16 * static_cast<int64_t>(chunks.size());
+  at::Tensor xq = at::empty({M, K}, xf.options().dtype(at::kByte));
+  at::Tensor xs = at::empty({M, L}, xf.options());
+  at::Tensor xsum = int4 ? at::empty({M, L}, xf.options()) : at::Tensor();
+  quantize_rows(xf.data_ptr<float>(), M, K, chunks, int4, xq.data_ptr<uint8_t>(), xs.data_ptr<float>(),
+                int4 ? xsum.data_ptr<float>() : nullptr);
+  at::Tensor y = at::empty({M, N}, xf.options());
+  const Args a{xq.data_ptr<uint8_t>(), xs.data_ptr<float>(), int4 ? xsum.data_ptr<float>() : nullptr,
+               static_cast<const uint8_t*>(weight.data_ptr()), scales.data_ptr<float>(),
+               int4 ? offsets.data_ptr<float>() : nullptr, chunks.data(), static_cast<int64_t>(chunks.size()),
+               K, G, L, N, y.data_ptr<float>()};
+  int4 ? run_all<true>(a, M) : run_all<false>(a, M);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes).to(x.scalar_type());
+}
+
+// The quantized activations as the kernel lays them out: (q [M, K] in chunk order, as int8 for
+// int4 and + 128 as uint8 for int8; per-lane scales [M, L]; int4: per-lane sums [M, L]).
+std::vector<at::Tensor> a8_quantize(const at::Tensor& x, int64_t G, bool int4) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1);
+  TORCH_CHECK(K % 64 == 0 && G % 32 == 0 && K % G == 0, "woq a8: K a multiple of 64, G of 32");
+  const std::vector<Chunk> chunks = make_chunks(K, G);
+  const int64_t L = 16 * static_cast<int64_t>(chunks.size());
+  at::Tensor xq = at::empty({M, K}, xf.options().dtype(at::kByte));
+  at::Tensor xs = at::empty({M, L}, xf.options());
+  at::Tensor xsum = at::zeros({M, L}, xf.options());
+  quantize_rows(xf.data_ptr<float>(), M, K, chunks, int4, xq.data_ptr<uint8_t>(), xs.data_ptr<float>(),
+                int4 ? xsum.data_ptr<float>() : nullptr);
+  return {xq, xs, xsum};
+}
+
+TORCH_LIBRARY(A8_LIB, m) {
+  m.def("a8_linear(Tensor x, Tensor weight, Tensor scales, Tensor offsets, int K) -> Tensor", &a8_linear);
+  m.def("a8_quantize(Tensor x, int G, bool int4) -> Tensor[]", &a8_quantize);
+}
