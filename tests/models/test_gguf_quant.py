@@ -241,3 +241,24 @@ def test_a_folder_in_the_old_format_is_refused_with_what_to_do(mixed, tmp_path):
     save_file(load_file(str(old / WOQ_FILE)), str(old / WOQ_FILE), metadata={"format": "specdec-woq-1"})
     with pytest.raises(ValueError, match="delete the converted folder"):
         load_quantized_linears(old)
+
+
+def test_w4a8_rounds_the_activations_over_the_files_own_weights(mixed):
+    from specdec.layers.quantization import PartsLinear
+
+    kept, _ = mixed
+    plain_llm = LLM(model=kept, **ENGINE)
+    llm = LLM(model=kept, quantization="w4a8", **ENGINE,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    model = llm.engine.executor.driver_worker.runner.model
+    before = plain_llm.engine.executor.driver_worker.runner.model
+    from specdec.kernels.woq_format import supports_a8
+
+    layers = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
+    assert all(m.int8_activations == supports_a8(m.quantized_weight()) for m in layers)
+    assert sum(m.int8_activations for m in layers) >= len(layers) - 3  # Q6_K's groups of 16 stay weight-only
+    assert isinstance(model.layers[0].self_attn.qkv_proj, PartsLinear)
+    for name in ("layers.0.self_attn.qkv_proj", "layers.1.mlp.down_proj", "lm_head"):  # the weights are the file's
+        assert torch.equal(model.get_submodule(name).dequantized_weight(), before.get_submodule(name).dequantized_weight())
+    prompts = ["hello world hello world hello", "the world the world the"]
+    assert greedy(llm, prompts) == greedy(llm, prompts, use_speculation=False)
