@@ -74,14 +74,14 @@ def write_summary(results: dict, args, path: Path, base_fmt: str = "float32") ->
         base = results[(target, base_fmt)]
         med = statistics.median
         row = {"plain_decode_tok_s": round(med(r["baseline"]["decode_tokens_per_s"] for r in runs), 2),
-               "plain_vs_float32": round(med(r["baseline"]["decode_tokens_per_s"] / b["baseline"]["decode_tokens_per_s"]
+               f"plain_vs_{base_fmt}": round(med(r["baseline"]["decode_tokens_per_s"] / b["baseline"]["decode_tokens_per_s"]
                                              for r, b in zip(runs, base)), 2),
                "weight_mb_read_per_token": round(runs[0]["roofline"]["weight_bytes_per_step"] / 1e6),
                "plain_roofline_fraction": round(med(r["roofline_fraction"] for r in runs), 2),
                "copy_gb_s": round(med(r["roofline"]["bandwidth_gb_per_s"] for r in runs), 1)}
         if runs[0].get("speculative"):
             row["spec_decode_tok_s"] = round(med(r["speculative"]["decode_tokens_per_s"] for r in runs), 2)
-            row["spec_vs_float32_plain"] = round(med(r["speculative"]["decode_tokens_per_s"] / b["baseline"]["decode_tokens_per_s"]
+            row[f"spec_vs_{base_fmt}_plain"] = round(med(r["speculative"]["decode_tokens_per_s"] / b["baseline"]["decode_tokens_per_s"]
                                                      for r, b in zip(runs, base)), 2)
             row["greedy_identical_fraction"] = min(r["speculative"]["greedy_agreement"]["identical_fraction"] for r in runs)
         record["by_config"][f"{target} / {fmt}"] = row

@@ -32,9 +32,10 @@ def test_quantized_target_with_speculation_equals_it_without(llama_path, noisy_d
     assert llm.get_metrics()["num_accepted_tokens"] > 0
 
 
-def test_quantized_target_with_token_trees_equals_it_without(llama_path, noisy_draft_path, prompts):
+@pytest.mark.parametrize("quantization", ["int4", "w4a8"])
+def test_quantized_target_with_token_trees_equals_it_without(llama_path, noisy_draft_path, prompts, quantization):
     chosen = prompts[4:7]
-    llm = LLM(model=llama_path, **ENGINE, quantization="int4", speculative_config={
+    llm = LLM(model=llama_path, **ENGINE, quantization=quantization, speculative_config={
         "method": "draft_model", "model": noisy_draft_path, "num_speculative_tokens": 3,
         "tree_topk": 2, "tree_nodes": 6})
     assert greedy_tokens(llm, chosen) == greedy_tokens(llm, chosen, use_speculation=False)

@@ -49,53 +49,86 @@ struct Args {
   float* out;  // [T, H, D]
 };
 
-void one_row(const Args& a, int64_t r, int64_t t, int64_t h, std::vector<float>& s, std::vector<int32_t>& keys) {
+// Query heads h0 .. h0 + G - 1 of row t (request r), all reading kv head kvh: each key and value
+// row is loaded once for them; each head's arithmetic is as described above, whatever G is.
+template <int G>
+void one_group(const Args& a, int64_t r, int64_t t, int64_t kvh, int64_t h0, std::vector<float>& s,
+               std::vector<int32_t>& keys) {
   const int64_t seq_len = a.seq_lens[r], q_len = a.qsl[r + 1] - a.qsl[r];
   const int64_t j = t - a.qsl[r], limit = seq_len - q_len + j;  // last visible key
   const int64_t base = a.tree_base != nullptr ? a.tree_base[r] : seq_len;
   const uint8_t* mask = a.tree_mask != nullptr ? a.tree_mask + t * a.tree_width : nullptr;
-  const int64_t kvh = h / (a.H / a.Hkv), D = a.D;
-  const int64_t chunks = D / 16, rem = D % 16;
+  const int64_t D = a.D, chunks = D / 16, rem = D % 16, nc = chunks + (rem ? 1 : 0);
   const __mmask16 tail = static_cast<__mmask16>((1u << rem) - 1);
-  const float* qrow = a.q + (t * a.H + h) * D;
-  __m512 qv[16];  // D <= 256
-  for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(qrow + 16 * c), _mm512_set1_ps(a.scale));
-  if (rem) qv[chunks] = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, qrow + 16 * chunks), _mm512_set1_ps(a.scale));
+  auto load = [&](const float* p, int64_t c) {
+    return c < chunks ? _mm512_loadu_ps(p + 16 * c) : _mm512_maskz_loadu_ps(tail, p + 16 * c);
+  };
+  __m512 qv[G][16];  // D <= 256
+  for (int g = 0; g < G; ++g) {
+    const float* qrow = a.q + (t * a.H + h0 + g) * D;
+    for (int64_t c = 0; c < nc; ++c) qv[g][c] = _mm512_mul_ps(load(qrow, c), _mm512_set1_ps(a.scale));
+  }
   const int64_t* table = a.block_tables + r * a.W;
   keys.clear();
   for (int64_t n = 0; n <= limit; ++n)
     if (n < base || mask[n - base]) keys.push_back(static_cast<int32_t>(n));
-  const int64_t nk = static_cast<int64_t>(keys.size());
-  s.resize(nk + 16);
-  float m = -INFINITY;
+  const int64_t nk = static_cast<int64_t>(keys.size()), stride = nk + 16;
+  s.resize(G * stride);
+  float m[G];
+  for (int g = 0; g < G; ++g) m[g] = -INFINITY;
   for (int64_t i = 0; i < nk; ++i) {
     const int64_t n = keys[i];
     const float* kr = a.k + ((table[n / a.bs] * a.bs + n % a.bs) * a.Hkv + kvh) * D;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc);
-    if (rem) acc = _mm512_fmadd_ps(qv[chunks], _mm512_maskz_loadu_ps(tail, kr + 16 * chunks), acc);
-    s[i] = _mm512_reduce_add_ps(acc);
-    m = std::max(m, s[i]);
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; ++c) {
+      const __m512 kv = load(kr, c);
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(qv[g][c], kv, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      s[g * stride + i] = _mm512_reduce_add_ps(acc[g]);
+      m[g] = std::max(m[g], s[g * stride + i]);
+    }
   }
-  const __m512 mv = _mm512_set1_ps(m);
-  for (int64_t i = 0; i < nk; i += 16) {  // padding lanes are computed and never read
-    _mm512_storeu_ps(s.data() + i, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s.data() + i), mv)));
+  float l[G];
+  for (int g = 0; g < G; ++g) {
+    const __m512 mv = _mm512_set1_ps(m[g]);
+    float* sg = s.data() + g * stride;
+    for (int64_t i = 0; i < nk; i += 16)  // padding lanes are computed and never read
+      _mm512_storeu_ps(sg + i, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + i), mv)));
+    l[g] = 0.0f;
   }
-  float l = 0.0f;
-  __m512 o[16];
-  for (int64_t c = 0; c <= chunks; ++c) o[c] = _mm512_setzero_ps();
+  __m512 o[G][16];
+  for (int g = 0; g < G; ++g)
+    for (int64_t c = 0; c < nc; ++c) o[g][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nk; ++i) {
     const int64_t n = keys[i];
     const float* vr = a.v + ((table[n / a.bs] * a.bs + n % a.bs) * a.Hkv + kvh) * D;
-    const __m512 p = _mm512_set1_ps(s[i]);
-    l += s[i];
-    for (int64_t c = 0; c < chunks; ++c) o[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * c), o[c]);
-    if (rem) o[chunks] = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(tail, vr + 16 * chunks), o[chunks]);
+    for (int g = 0; g < G; ++g) l[g] += s[g * stride + i];
+    for (int64_t c = 0; c < nc; ++c) {
+      const __m512 vv = load(vr, c);
+      for (int g = 0; g < G; ++g) o[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * stride + i]), vv, o[g][c]);
+    }
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / l);
-  float* orow = a.out + (t * a.H + h) * D;
-  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(orow + 16 * c, _mm512_mul_ps(o[c], inv));
-  if (rem) _mm512_mask_storeu_ps(orow + 16 * chunks, tail, _mm512_mul_ps(o[chunks], inv));
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
+    float* orow = a.out + (t * a.H + h0 + g) * D;
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(orow + 16 * c, _mm512_mul_ps(o[g][c], inv));
+    if (rem) _mm512_mask_storeu_ps(orow + 16 * chunks, tail, _mm512_mul_ps(o[g][chunks], inv));
+  }
+}
+
+// The query heads of kv head kvh for row t, up to 4 at a time.
+void row_heads(const Args& a, int64_t r, int64_t t, int64_t kvh, std::vector<float>& s, std::vector<int32_t>& keys) {
+  const int64_t group = a.H / a.Hkv;
+  for (int64_t h0 = kvh * group; h0 < (kvh + 1) * group; h0 += 4) {
+    switch (std::min<int64_t>(4, (kvh + 1) * group - h0)) {
+      case 1: one_group<1>(a, r, t, kvh, h0, s, keys); break;
+      case 2: one_group<2>(a, r, t, kvh, h0, s, keys); break;
+      case 3: one_group<3>(a, r, t, kvh, h0, s, keys); break;
+      default: one_group<4>(a, r, t, kvh, h0, s, keys); break;
+    }
+  }
 }
 
 }  // namespace
@@ -123,12 +156,12 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& kv_cache, c
   const int64_t* q = qsl.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r)
     for (int64_t t = q[r]; t < q[r + 1]; ++t) row_req[t] = r;
-  at::parallel_for(0, T * H, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s;
     std::vector<int32_t> keys;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / H, h = i % H;
-      if (row_req[t] >= 0) one_row(a, row_req[t], t, h, s, keys);
+      const int64_t t = i / Hkv, kvh = i % Hkv;
+      if (row_req[t] >= 0) row_heads(a, row_req[t], t, kvh, s, keys);
     }
   });
   return out;
