@@ -56,6 +56,13 @@ BATCH1_CONFIGS = (
     PeerConfig(SPECDEC, "Q4_K_M gguf + Q4_K_M gguf draft K=5", "Q4_K_M draft K=5",
                {"model": "{target_q4_k_m}", "speculative_config": {**_draft(), "model": "{draft_q4_k_m}"},
                 "draft_gguf": "q4_k_m"}, "gguf:q4_k_m", speculative=True),
+    # the same files with int8 activations (llama.cpp's arithmetic), still lossless: README
+    PeerConfig(SPECDEC, "Q4_K_M gguf w4a8 plain", None, {"model": "{target_q4_k_m}", "quantization": "w4a8"},
+               "gguf:q4_k_m"),
+    PeerConfig(SPECDEC, "Q4_K_M gguf w4a8 + Q4_K_M gguf w4a8 draft K=5", None,
+               {"model": "{target_q4_k_m}", "quantization": "w4a8",
+                "speculative_config": {**_draft(), "model": "{draft_q4_k_m}", "quantization": "w4a8"},
+                "draft_gguf": "q4_k_m"}, "gguf:q4_k_m", speculative=True),
     PeerConfig(VLLM, "bf16 plain", "bf16 plain", {}),
     PeerConfig(VLLM, "bf16 + bf16 draft K=5", "bf16 draft K=5", {"speculative_config": _draft()}, speculative=True),
     PeerConfig(VLLM, "n-gram K=5", "n-gram K=5", {"speculative_config": NGRAM_K5}, speculative=True),
