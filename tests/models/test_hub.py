@@ -336,7 +336,7 @@ def test_resolve_model_converts_a_gguf_file_once(tiny_llama_gguf, tmp_path, monk
     _, path = tiny_llama_gguf
     folder = hub.resolve_model(str(path))
     sha12 = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
-    assert folder == str(tmp_path / "cache" / "gguf" / f"{sha12}-tiny-llama")
+    assert folder == str(tmp_path / "cache" / "gguf" / f"{sha12}-tiny-llama-2")
     assert (Path(folder) / "model.safetensors").is_file()
     monkeypatch.setattr(hub, "_convert", lambda *a: pytest.fail("converted twice"))
     assert hub.resolve_model(str(path)) == folder
