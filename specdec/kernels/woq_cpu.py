@@ -122,23 +122,24 @@ def extension_a8():
         return None
 
 
-def a8_chunks(k: int) -> list[tuple[int, int]]:
-    """(start, size) of the chunks ``csrc/woq_a8.cpp`` cuts K into: 512, 256, 128, 64, largest first."""
+def a8_chunks(k: int, group_size: int = 32) -> list[tuple[int, int]]:
+    """(start, size) of the chunks ``csrc/woq_a8.cpp`` cuts K into: 512, 256, 128, 64, largest first,
+    at most 16 weight groups each (a lane's inputs stay in one group)."""
     out, c0 = [], 0
     while c0 < k:
         c = 512
-        while c > k - c0:
+        while c > k - c0 or c // 16 > group_size:
             c //= 2
         out.append((c0, c))
         c0 += c
     return out
 
 
-def a8_order(k: int) -> torch.Tensor:
+def a8_order(k: int, group_size: int = 32) -> torch.Tensor:
     """[K] int64: position p of the kernel's chunk order holds input ``a8_order(k)[p]`` (in a chunk
     of C inputs, step s, lane l, byte t: input start + l * C / 16 + 4 s + t)."""
     parts = []
-    for c0, c in a8_chunks(k):
+    for c0, c in a8_chunks(k, group_size):
         w = c // 16
         s, lane, t = torch.meshgrid(torch.arange(c // 64), torch.arange(16), torch.arange(4), indexing="ij")
         parts.append((c0 + lane * w + 4 * s + t).reshape(-1))
@@ -165,16 +166,17 @@ class A8Weight:
     @classmethod
     def prepare(cls, weight: Int8Weight | Int4Weight) -> "A8Weight":
         if not supports_a8(weight):
-            raise ValueError("int8 activations need K a multiple of 64 and weight groups a multiple of 32")
+            raise ValueError("int8 activations need K a multiple of 64 and weight groups a multiple of 32 (int8: 16)")
         if isinstance(weight, Int8Weight):
-            return cls(weight.qweight[:, a8_order(weight.qweight.shape[1])].contiguous(), weight.scales, None)
+            order = a8_order(weight.qweight.shape[1], weight.group_size)
+            return cls(weight.qweight[:, order].contiguous(), weight.scales, None)
         n, k = weight.shape
-        q = weight.unpacked()[:, a8_order(k)].view(n, k // 64, 2, 32)
+        q = weight.unpacked()[:, a8_order(k, weight.group_size)].view(n, k // 64, 2, 32)
         return cls((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous(), weight.scales, weight.offsets)
 
     def source(self) -> Int8Weight | Int4Weight:
         n, k = self.weight.shape[0], self.in_features
-        order = a8_order(k)
+        order = a8_order(k, k // self.scales.shape[1])
         if not self.int4:
             q = torch.empty_like(self.weight)
             q[:, order] = self.weight

@@ -149,31 +149,32 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def supports_a8(weight: Int8Weight | Int4Weight) -> bool:
-    """Whether a weight takes int8 activations: K a multiple of 64, groups a multiple of 32."""
+    """Whether a weight takes int8 activations: K a multiple of 64, groups a multiple of 32 (int4)
+    or 16 (int8: GGUF Q6_K's groups of 16)."""
     n, k = weight.shape if isinstance(weight, Int4Weight) else weight.qweight.shape
-    return k % 64 == 0 and weight.group_size % A8_BLOCK == 0
+    return k % 64 == 0 and weight.group_size % (A8_BLOCK if isinstance(weight, Int4Weight) else 16) == 0
 
 
 def reference_linear_a8(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:
     """The definition of the int8-activation linear (above): integer block sums exact in float64,
     the scaling in float64, the result rounded to float32, then to x's dtype. x: [..., K] -> [..., N]."""
     if not supports_a8(weight):
-        raise ValueError("int8 activations need K a multiple of 64 and weight groups a multiple of 32")
+        raise ValueError("int8 activations need K a multiple of 64 and weight groups a multiple of 32 (int8: 16)")
     int4 = isinstance(weight, Int4Weight)
     n, k = weight.shape if int4 else weight.qweight.shape
     rows = x.reshape(-1, k)
     q, xs = quantize_activations(rows)
-    nb, per_group = k // A8_BLOCK, weight.group_size // A8_BLOCK
-    w_int = (weight.unpacked() if int4 else weight.qweight).double().view(n, nb, A8_BLOCK)
-    ws = weight.scales.double().repeat_interleave(per_group, dim=1)  # [N, nb]
-    qd = q.double().view(-1, nb, A8_BLOCK)
-    xsd = xs.double()
+    sub = min(weight.group_size, A8_BLOCK)  # inputs of one activation block and one weight group
+    nb = k // sub
+    w_int = (weight.unpacked() if int4 else weight.qweight).double().view(n, nb, sub)
+    qd = q.double().view(-1, nb, sub)
+    xsd, ws = xs.double(), weight.scales.double()
     y = torch.zeros(rows.shape[0], n, dtype=torch.float64)
     for b in range(nb):
+        a, g = b * sub // A8_BLOCK, b * sub // weight.group_size
         dots = qd[:, b] @ w_int[:, b].T  # [M, N], exact integers
-        term = dots * ws[:, b]
+        term = dots * ws[:, g]
         if int4:
-            wo = weight.offsets.double()[:, b // per_group]
-            term = term + qd[:, b].sum(-1, keepdim=True) * wo
-        y += xsd[:, b:b + 1] * term
+            term = term + qd[:, b].sum(-1, keepdim=True) * weight.offsets.double()[:, g]
+        y += xsd[:, a:a + 1] * term
     return y.float().view(*x.shape[:-1], n).to(x.dtype)

@@ -136,6 +136,7 @@ needs_a8_kernel = pytest.mark.skipif(woq_cpu.extension_a8() is None, reason="no 
 A8_FORMATS = {
     "w8a8-channel": lambda w: quantize_int8(w),
     "w8a8-g32": lambda w: quantize_int8(w, 32),
+    "w8a8-g16": lambda w: quantize_int8(w, 16),  # GGUF Q6_K's groups
     "w4a8-g32": lambda w: quantize_int4(w, 32),
     "w4a8-g64": lambda w: quantize_int4(w, 64),
     "w4a8-g128": lambda w: quantize_int4(w, 128),
@@ -175,21 +176,23 @@ def test_activation_quantization_is_as_documented():
 
 @needs_a8_kernel
 @pytest.mark.parametrize("k", [64, 576, 896, 1536])
-@pytest.mark.parametrize("int4", [False, True])
-def test_kernel_quantizes_activations_as_the_reference_bitwise(k, int4):
+@pytest.mark.parametrize("int4,group", [(False, 32), (False, 16), (True, 32)])
+def test_kernel_quantizes_activations_as_the_reference_bitwise(k, int4, group):
     g = torch.Generator().manual_seed(k)
     x = torch.randn(5, k, generator=g) * torch.logspace(-3, 3, k)[torch.randperm(k, generator=g)]
     x[1, 64:] = 0
     q, xs = quantize_activations(x)
-    xq, lane_scales, lane_sums = woq_cpu.extension_a8().a8_quantize(x, 32, int4)
-    order = woq_cpu.a8_order(k)
+    xq, lane_scales, lane_sums = woq_cpu.extension_a8().a8_quantize(x, group, int4)
+    chunks = woq_cpu.a8_chunks(k, group)
+    assert all(c // 16 <= group for _, c in chunks)
+    order = woq_cpu.a8_order(k, group)
     got = xq.view(torch.int8) if int4 else (xq.to(torch.int16) - 128).to(torch.int8)
     assert torch.equal(got, q[:, order])
     # lane j of a chunk of c inputs from c0 owns inputs c0 + j c / 16 ...: its scale is its block's
-    chunk_lane_first = [c0 + j * (c // 16) for c0, c in woq_cpu.a8_chunks(k) for j in range(16)]
+    chunk_lane_first = [c0 + j * (c // 16) for c0, c in chunks for j in range(16)]
     assert torch.equal(lane_scales, xs[:, [f // 32 for f in chunk_lane_first]])
     if int4:
-        sums = [q[:, f:f + c // 16].sum(-1) for c0, c in woq_cpu.a8_chunks(k) for f in
+        sums = [q[:, f:f + c // 16].sum(-1) for c0, c in chunks for f in
                 [c0 + j * (c // 16) for j in range(16)]]
         assert torch.equal(lane_sums, torch.stack(sums, 1).float())
 

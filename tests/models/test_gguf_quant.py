@@ -252,11 +252,8 @@ def test_w4a8_rounds_the_activations_over_the_files_own_weights(mixed):
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     model = llm.engine.executor.driver_worker.runner.model
     before = plain_llm.engine.executor.driver_worker.runner.model
-    from specdec.kernels.woq_format import supports_a8
-
     layers = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
-    assert all(m.int8_activations == supports_a8(m.quantized_weight()) for m in layers)
-    assert sum(m.int8_activations for m in layers) >= len(layers) - 3  # Q6_K's groups of 16 stay weight-only
+    assert layers and all(m.int8_activations for m in layers)  # Q6_K's groups of 16 included
     assert isinstance(model.layers[0].self_attn.qkv_proj, PartsLinear)
     for name in ("layers.0.self_attn.qkv_proj", "layers.1.mlp.down_proj", "lm_head"):  # the weights are the file's
         assert torch.equal(model.get_submodule(name).dequantized_weight(), before.get_submodule(name).dequantized_weight())

@@ -63,7 +63,7 @@ std::vector<Chunk> make_chunks(int64_t K, int64_t G) {
   int64_t c0 = 0;
   while (c0 < K) {
     int64_t C = 512;
-    while (C > K - c0) C /= 2;
+    while (C > K - c0 || C / 16 > G) C /= 2;  // a lane's inputs within one weight group
     Chunk c;
     c.c0 = c0;
     c.C = C;
@@ -248,7 +248,8 @@ void check_shapes(const at::Tensor& weight, const at::Tensor& scales, const at::
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == weight.size(0),
               "woq a8: float32 [N, K / G] scales");
   const int64_t G = K / scales.size(1);
-  TORCH_CHECK(K % 64 == 0 && G % 32 == 0 && G * scales.size(1) == K, "woq a8: K a multiple of 64, G of 32");
+  TORCH_CHECK(K % 64 == 0 && G % (int4 ? 32 : 16) == 0 && G * scales.size(1) == K,
+              "woq a8: K a multiple of 64, G of 32 (int4) or 16 (int8)");
   TORCH_CHECK(!int4 || (offsets.scalar_type() == at::kFloat && offsets.sizes() == scales.sizes() &&
                         offsets.is_contiguous()), "woq a8: float32 int4 offsets shaped as the scales");
 }
@@ -287,7 +288,8 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
 std::vector<at::Tensor> a8_quantize(const at::Tensor& x, int64_t G, bool int4) {
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1);
-  TORCH_CHECK(K % 64 == 0 && G % 32 == 0 && K % G == 0, "woq a8: K a multiple of 64, G of 32");
+  TORCH_CHECK(K % 64 == 0 && G % (int4 ? 32 : 16) == 0 && K % G == 0,
+              "woq a8: K a multiple of 64, G of 32 (int4) or 16 (int8)");
   const std::vector<Chunk> chunks = make_chunks(K, G);
   const int64_t L = 16 * static_cast<int64_t>(chunks.size());
   at::Tensor xq = at::empty({M, K}, xf.options().dtype(at::kByte));
