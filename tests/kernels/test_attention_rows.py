@@ -69,3 +69,17 @@ def test_a_row_is_the_same_whatever_else_the_call_holds():
     beside = attention_rows.paged_attention_rows(other, cache, meta_for([5, 17], [100, 180], [TABLES[1], TABLES[3]]),
                                                  0.125)
     assert torch.equal(beside[:5], full[1:6])
+
+
+def test_auto_picks_the_rows_backend_for_float32_on_cpu_and_torch_for_bf16():
+    from specdec.config import EngineConfig
+    from specdec.worker.setup import _attention_backend
+
+    if attention_rows.extension() is None:
+        pytest.skip("the rows kernel did not build here")
+    cpu = torch.device("cpu")
+    cfg = EngineConfig(model="unused")
+    assert _attention_backend(cfg, cpu, torch.float32).name == "rows"
+    assert _attention_backend(cfg, cpu, torch.bfloat16).name == "torch"
+    assert _attention_backend(EngineConfig(model="unused", quantization="w4a8"), cpu, torch.bfloat16).name == "rows"
+    assert _attention_backend(EngineConfig(model="unused", attention_backend="torch"), cpu, torch.float32).name == "torch"
