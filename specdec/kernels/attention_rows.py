@@ -14,42 +14,21 @@ reproduce plain decoding (warned once).
 from __future__ import annotations
 
 import functools
-import os
 import warnings
-from pathlib import Path
 
 import torch
 
-from specdec.kernels import woq_cpu
+from specdec.kernels import cpp_build, woq_cpu
 from specdec.layers.attention import AttentionBackend, AttentionMetadata, paged_attention_torch, write_kv_cache
-
-_SOURCE = Path(__file__).parent / "csrc" / "attention_rows.cpp"
-
 
 @functools.lru_cache(maxsize=1)
 def extension():
     """``torch.ops.specdec_attention_rows`` once built, or None (after one warning saying why)."""
-    consequence = "speculation with int8 activations (w8a8 / w4a8) may then differ from plain decoding"
-    if os.environ.get("SPECDEC_DISABLE_WOQ_KERNEL", "0") not in ("", "0"):
-        warnings.warn(f"specdec: SPECDEC_DISABLE_WOQ_KERNEL: row-consistent attention runs the batched torch "
-                      f"path; {consequence}", stacklevel=3)
-        return None
-    missing = [f for f in woq_cpu._CPU_FLAGS if f not in woq_cpu._cpu_flags()]
-    if missing:
-        warnings.warn(f"specdec: this CPU lacks {', '.join(missing)}; row-consistent attention falls back to "
-                      f"the batched torch path; {consequence}", stacklevel=3)
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        load(name="specdec_attention_rows", sources=[str(_SOURCE)], extra_cflags=woq_cpu._FLAGS,
-             build_directory=woq_cpu._build_dir(), is_python_module=False, verbose=False)
-        return torch.ops.specdec_attention_rows
-    except Exception as e:
-        last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-        warnings.warn(f"specdec: could not build the row-consistent attention kernel ({type(e).__name__}: "
-                      f"{last}); falling back to the batched torch path; {consequence}", stacklevel=3)
-        return None
+    return cpp_build.load_ops(
+        "specdec_attention_rows", "attention_rows.cpp", "specdec_attention_rows", woq_cpu.FLAGS,
+        needs=woq_cpu.CPU_FLAGS, what="the row-consistent attention kernel", disable_env=woq_cpu.DISABLE_ENV,
+        warn_disabled=True, fallback="row-consistent attention runs the batched torch path; speculation with "
+        "int8 activations (w8a8 / w4a8) may then differ from plain decoding")
 
 
 def _tree_inputs(meta: AttentionMetadata):

@@ -1,23 +1,18 @@
 """The AVX-512 int8 / int4 weight-only CPU kernel (``csrc/woq_linear.cpp``) and the int8-activation
-VNNI kernel (``csrc/woq_a8.cpp``, ``linear_a8``), each built on first use.
+VNNI kernel (``csrc/woq_a8.cpp``, ``linear_a8``), each built on first use (``cpp_build``).
 
-``torch.utils.cpp_extension.load`` compiles it once per torch version into
-``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/specdec/torch_extensions`` (about a minute with gcc);
-nothing is built at install time. Where it cannot run (no AVX-512, no compiler, a failed
-build, ``SPECDEC_DISABLE_WOQ_KERNEL=1``) ``available()`` is False after one warning and
-``linear`` runs ``woq_format.reference_linear`` (dequantize, then ``F.linear``: slower).
+Where one cannot run (no AVX-512, no compiler, a failed build, ``SPECDEC_DISABLE_WOQ_KERNEL=1``)
+``available()`` is False after one warning and ``linear`` runs ``woq_format.reference_linear``
+(dequantize, then ``F.linear``: slower).
 """
 from __future__ import annotations
 
 import functools
-import os
-import warnings
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
-from dataclasses import dataclass
-
+from specdec.kernels import cpp_build
 from specdec.kernels.woq_format import (
     Int4Weight,
     Int8Weight,
@@ -27,49 +22,17 @@ from specdec.kernels.woq_format import (
     supports_a8,
 )
 
-_SOURCE = Path(__file__).parent / "csrc" / "woq_linear.cpp"
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _build_dir() -> str:
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(Path.home(), ".cache", "specdec", "torch_extensions")
-    path = os.path.join(root, f"torch{torch.__version__.replace('+', '_')}")
-    os.makedirs(path, exist_ok=True)
-    return path
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+DISABLE_ENV = "SPECDEC_DISABLE_WOQ_KERNEL"
 
 
 @functools.lru_cache(maxsize=1)
 def extension():
     """``torch.ops.specdec_woq`` once built and loaded, or None (after one warning saying why)."""
-    if os.environ.get("SPECDEC_DISABLE_WOQ_KERNEL", "0") not in ("", "0"):
-        return None
-    missing = [f for f in _CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        warnings.warn(f"specdec: this CPU lacks {', '.join(missing)}; int8/int4 weights use the slow "
-                      f"pure-torch path", stacklevel=3)
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        load(name="specdec_woq_linear", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
-             build_directory=_build_dir(), is_python_module=False, verbose=False)
-        return torch.ops.specdec_woq
-    except Exception as e:  # no compiler, no headers, a failed build: the reference path still runs
-        last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-        warnings.warn(f"specdec: could not build the int8/int4 CPU kernel ({type(e).__name__}: {last}); "
-                      f"falling back to the slow pure-torch path", stacklevel=3)
-        return None
+    return cpp_build.load_ops("specdec_woq_linear", "woq_linear.cpp", "specdec_woq", FLAGS, needs=CPU_FLAGS,
+                              what="the int8/int4 CPU kernel", disable_env=DISABLE_ENV,
+                              fallback="int8/int4 weights use the slow pure-torch path")
 
 
 def available() -> bool:
@@ -94,32 +57,13 @@ def linear(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:
     return ops.int4_linear(x, weight.packed, weight.scales, weight.offsets)
 
 
-_A8_SOURCE = Path(__file__).parent / "csrc" / "woq_a8.cpp"
-_A8_CPU_FLAGS = _CPU_FLAGS + ("avx512_vnni",)
-
-
 @functools.lru_cache(maxsize=1)
 def extension_a8():
     """``torch.ops.specdec_woq_a8`` (the VNNI int8-activation kernel) once built, or None (after one
     warning saying why: ``linear_a8`` then runs ``woq_format.reference_linear_a8``, much slower)."""
-    if os.environ.get("SPECDEC_DISABLE_WOQ_KERNEL", "0") not in ("", "0"):
-        return None
-    missing = [f for f in _A8_CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        warnings.warn(f"specdec: this CPU lacks {', '.join(missing)}; int8 activations use the slow "
-                      f"pure-torch path", stacklevel=3)
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        load(name="specdec_woq_a8", sources=[str(_A8_SOURCE)], extra_cflags=_FLAGS + ["-mavx512vnni"],
-             build_directory=_build_dir(), is_python_module=False, verbose=False)
-        return torch.ops.specdec_woq_a8
-    except Exception as e:
-        last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-        warnings.warn(f"specdec: could not build the int8-activation CPU kernel ({type(e).__name__}: {last}); "
-                      f"falling back to the slow pure-torch path", stacklevel=3)
-        return None
+    return cpp_build.load_ops("specdec_woq_a8", "woq_a8.cpp", "specdec_woq_a8", FLAGS + ["-mavx512vnni"],
+                              needs=CPU_FLAGS + ("avx512_vnni",), what="the int8-activation CPU kernel",
+                              disable_env=DISABLE_ENV, fallback="int8 activations use the slow pure-torch path")
 
 
 def a8_chunks(k: int, group_size: int = 32) -> list[tuple[int, int]]:

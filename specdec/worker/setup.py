@@ -2,7 +2,6 @@
 caches, graphs, the proposer and the verifiers."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -170,12 +169,13 @@ def _attention_backend(cfg: EngineConfig, device, dtype: torch.dtype = torch.flo
 
 
 def _rows_kernel() -> bool:
-    from specdec.kernels import woq_cpu
+    """Whether the rows kernel can run here, asked without its warnings for the cases "auto" skips."""
+    from specdec.kernels import cpp_build, woq_cpu
     from specdec.kernels.attention_rows import extension
 
-    if os.environ.get("SPECDEC_DISABLE_WOQ_KERNEL", "0") not in ("", "0"):
+    if cpp_build.disabled(woq_cpu.DISABLE_ENV) or not set(woq_cpu.CPU_FLAGS) <= cpp_build.cpu_flags():
         return False
-    return all(f in woq_cpu._cpu_flags() for f in woq_cpu._CPU_FLAGS) and extension() is not None
+    return extension() is not None
 
 
 def _rejection_sampler(device):

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from specdec.kernels import woq_cpu
+from specdec.kernels import cpp_build, woq_cpu
 from specdec.kernels.woq_format import (
     Int4Weight,
     Int8Weight,
@@ -113,7 +113,7 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("error: command 'c++' failed: No such file or directory")
 
-    monkeypatch.setattr(woq_cpu, "_cpu_flags", lambda: set(woq_cpu._CPU_FLAGS))
+    monkeypatch.setattr(cpp_build, "cpu_flags", lambda: frozenset(woq_cpu.CPU_FLAGS))
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     woq_cpu.extension.cache_clear()
     try:
