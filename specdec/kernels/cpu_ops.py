@@ -2,10 +2,10 @@
 first use (``cpp_build``): add + RMSNorm, RMSNorm, rotary.
 
 At batch 1 these steps are a few hundred floats each and their cost is ATen's per-op overhead
-(``F.rms_norm`` is six ops on CPU, the rotary split / multiply / cat eight), so one C++ call each
-takes 2-3 µs where the torch forms take 20-55 µs. Used for float32 CPU tensors that need no
-gradient; everything else (and ``SPECDEC_DISABLE_CPU_OPS=1``, or a failed build) runs the torch
-forms, which are the reference the tests hold these to.
+(``F.rms_norm`` is six ops on CPU, the rotary split / multiply / cat eight), so each becomes one
+C++ call. Used for float32 CPU tensors that need no gradient; everything else (and
+``SPECDEC_DISABLE_CPU_OPS=1``, or a failed build) runs the torch forms, which are the reference
+the tests hold these to.
 """
 from __future__ import annotations
 

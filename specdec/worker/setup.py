@@ -141,8 +141,8 @@ ROW_CONSISTENT_QUANTIZATIONS = ("w8a8", "w4a8")
 
 def _attention_backend(cfg: EngineConfig, device, dtype: torch.dtype = torch.float32):
     """``"auto"``: on CPU the row-by-row C++ attention for float32 (faster than the batched torch
-    path at decode and verification: 0.1-0.5x its time at 128-512 keys; and the one int8
-    activations need), the torch path otherwise; Triton on CUDA."""
+    path at decode and verification, and the one int8 activations need), the torch path
+    otherwise; Triton on CUDA."""
     from specdec.layers.attention import (
         REFERENCE_BACKEND,
         TORCH_BACKEND,
