@@ -55,8 +55,10 @@ def load_ops(name: str, source: str, namespace: str, flags: list[str], *, needs:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name=name, sources=[str(CSRC / source)], extra_cflags=flags, build_directory=build_dir(name),
-             is_python_module=False, verbose=False)
+        # -fopenmp: at::parallel_for is inline OpenMP in the headers, serial without it; the
+        # extension then uses the libgomp torch already loaded (same soname), so one thread pool
+        load(name=name, sources=[str(CSRC / source)], extra_cflags=[*flags, "-fopenmp"],
+             extra_ldflags=["-fopenmp"], build_directory=build_dir(name), is_python_module=False, verbose=False)
         return getattr(torch.ops, namespace)
     except Exception as e:  # no compiler, no headers, a failed build: the torch path still runs
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
