@@ -11,6 +11,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from specdec.kernels import cpp_build
 from specdec.kernels.woq_format import (
@@ -25,6 +26,7 @@ from specdec.kernels.woq_format import (
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 DISABLE_ENV = "SPECDEC_DISABLE_WOQ_KERNEL"
+BF16_KERNEL_MAX_ROWS = 16
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,6 +57,17 @@ def linear(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:
     if isinstance(weight, Int8Weight):
         return ops.int8_linear(x, weight.qweight, weight.scales)
     return ops.int4_linear(x, weight.packed, weight.scales, weight.offsets)
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for a bf16 [N, K] weight in float32 arithmetic (``F.linear(x.float(),
+    weight.float())`` to float32 rounding), result in x's dtype; the kernel where it runs."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    # past BF16_KERNEL_MAX_ROWS rows (prefill) float32 GEMM on a widened copy is faster
+    ops = extension() if x.device.type == "cpu" and weight.shape[1] % 32 == 0 and rows <= BF16_KERNEL_MAX_ROWS else None
+    if ops is None:
+        return F.linear(x.float(), weight.float()).to(x.dtype)
+    return ops.bf16_linear(x, weight)
 
 
 @functools.lru_cache(maxsize=1)

@@ -62,6 +62,39 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+class Bf16WeightLinear(nn.Module):
+    """A float32 model's linear whose weight is kept in bf16 (CPUs without bf16 arithmetic): half
+    the bytes a memory-bound step reads, float32 arithmetic (``woq_cpu.bf16_linear``). Made only
+    from weights bf16 holds exactly (a bf16 checkpoint loaded as float32), unless asked to round."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight_bf16", linear.weight.detach().to(torch.bfloat16).contiguous())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight_bf16.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            out = woq_cpu.bf16_linear(x, self.weight_bf16)
+        else:
+            out = F.linear(x, self.weight_bf16.to(x.dtype))
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"bf16 weight, in={self.in_features}, out={self.out_features}"
+
+
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """Whether bf16 holds every value of this float32 weight (a bf16 checkpoint loaded as float32)."""
+    step = 1 << 22  # elements per slice: no full-size temporary
+    flat = weight.detach().reshape(-1)
+    return all(torch.equal(flat[i:i + step].to(torch.bfloat16).float(), flat[i:i + step])
+               for i in range(0, flat.numel(), step))
+
+
 class WeightOnlyLinear(nn.Module):
     """``x @ dequant(W).T + b`` for an ``Int8Weight`` / ``Int4Weight`` (``specdec.kernels.woq_format``).
 
@@ -221,10 +254,13 @@ def _with_int8_activations(module: nn.Module) -> None:
             _with_int8_activations(child)
 
 
-def prepare_for_inference(model: nn.Module, quantization: str | None, device: torch.device) -> nn.Module:
+def prepare_for_inference(model: nn.Module, quantization: str | None, device: torch.device,
+                          bf16_weights: str | None = None) -> nn.Module:
     """Swap linears for their fast inference form. Tied embeddings keep the original weight.
     Layers already quantized (a GGUF's kept weights) keep their weights; ``w8a8`` / ``w4a8`` give
-    them int8 activations."""
+    them int8 activations. ``bf16_weights`` (a float32 model on CPU, no quantization): ``"exact"``
+    keeps in bf16 the linears bf16 holds exactly, ``"round"`` rounds every linear to bf16
+    (``Bf16WeightLinear``)."""
     dtype = next(model.parameters()).dtype
     if quantization in QUANTIZATIONS:
         if quantization in _CPU_ONLY and device.type != "cpu":
@@ -236,4 +272,7 @@ def prepare_for_inference(model: nn.Module, quantization: str | None, device: to
         raise ValueError(f"quantization must be None or one of {sorted(QUANTIZATIONS)}, got {quantization!r}")
     elif _can_pack(dtype, device):
         _replace_linears(model, PackedLinear)
+    elif bf16_weights and dtype == torch.float32 and device.type == "cpu" and woq_cpu.available():
+        _replace_linears(model, lambda lin: Bf16WeightLinear(lin) if (
+            bf16_weights == "round" or bf16_exact(lin.weight)) and lin.in_features % 32 == 0 else lin)
     return model

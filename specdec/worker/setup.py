@@ -68,7 +68,8 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
         draft_dtype = dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, device)
         draft_tp = tp if spec.draft_tensor_parallel_size > 1 else None
         draft_model = prepare_for_inference(
-            load_model(draft_path, draft_dtype, device, attn_backend, draft_cfg, tp=draft_tp), spec.quantization, device)
+            load_model(draft_path, draft_dtype, device, attn_backend, draft_cfg, tp=draft_tp), spec.quantization, device,
+            _bf16_weights(spec.dtype, draft_dtype, device))
         bytes_per_block += ModelRunner.kv_bytes_per_block(draft_cfg, cfg.block_size, draft_dtype)
     eagle = spec is not None and spec.method in ("eagle", "eagle3")
     aux_layers: tuple[int, ...] = ()
@@ -81,7 +82,7 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
         if spec.method == "eagle3":  # the target exports these layers' inputs for the head
             aux_layers = draft_model.options.aux_layer_ids
     if shared_model is None:
-        model = prepare_for_inference(model, cfg.quantization, device)
+        model = prepare_for_inference(model, cfg.quantization, device, _bf16_weights(cfg.dtype, dtype, device))
     num_blocks = num_kv_blocks(cfg, device, bytes_per_block, max_model_len, max_k)
     if tp is not None:  # one block pool serves every rank: the smallest cache decides
         num_blocks = tp.min_int(num_blocks)
@@ -94,6 +95,12 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
     proposer = build_proposer(spec, draft_runner, vocab_size) if spec else None
     return WorkerParts(device, dtype, runner, draft_runner, proposer, ChainVerifier(_rejection_sampler(device)),
                        TreeVerifier())
+
+
+def _bf16_weights(requested, dtype: torch.dtype, device) -> str | None:
+    """``dtype="auto"`` that became float32 on a CPU without bf16 arithmetic: linears a bf16
+    checkpoint filled keep their bf16 weights (the same values, half the bytes per step)."""
+    return "exact" if requested == "auto" and dtype == torch.float32 and device.type == "cpu" else None
 
 
 def _load_head(spec, target, dtype: torch.dtype, device, attn_backend):

@@ -231,3 +231,35 @@ def test_a8_falls_back_to_the_reference_without_the_kernel(monkeypatch):
     monkeypatch.setattr(woq_cpu, "extension_a8", lambda: None)
     assert torch.equal(woq_cpu.linear_a8(x, woq_cpu.A8Weight.prepare(weight)), reference_linear_a8(x, weight))
     assert not supports_a8(quantize_int8(torch.randn(4, 96)))  # K not a multiple of 64
+
+
+def bf16_case(n: int, k: int, rows: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    return w, torch.randn(rows, k, generator=g) * 3
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9, 16, 17])
+def test_bf16_kernel_is_the_float32_product_within_the_float32_bound(rows):
+    w, x = bf16_case(37, 320, rows, seed=rows)
+    y = woq_cpu.bf16_linear(x, w).double()
+    exact = x.double() @ w.double().T
+    bound = (320 + 2) * 2.0 ** -24 * (x.abs().double() @ w.double().abs().T) + 1e-30
+    assert y.shape == (rows, 37) and (y - exact).abs().le(bound).all(), (y - exact).abs().max()
+
+
+@needs_kernel
+def test_bf16_kernel_row_i_of_an_m_row_call_equals_the_one_row_call_bitwise():
+    w, x = bf16_case(67, 512, 9, seed=5)
+    x[4] *= 1000
+    full = woq_cpu.bf16_linear(x, w)
+    for m in range(1, 10):
+        assert torch.equal(woq_cpu.bf16_linear(x[:m], w), full[:m])
+    for i in range(9):
+        assert torch.equal(woq_cpu.bf16_linear(x[i:i + 1], w), full[i:i + 1])
+
+
+def test_bf16_linear_the_kernel_does_not_take_is_f_linear_on_the_widened_weight():
+    w, x = bf16_case(5, 48, 3, seed=6)  # K not a multiple of 32: the widened F.linear
+    torch.testing.assert_close(woq_cpu.bf16_linear(x, w), torch.nn.functional.linear(x, w.float()), rtol=0, atol=0)

@@ -4,9 +4,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.kernels import woq_cpu
 from specdec.layers.norm import RMSNorm
 from specdec.kernels.woq_format import quantize_int4, quantize_int8, reference_linear, reference_linear_a8
 from specdec.layers.quantization import (
+    Bf16WeightLinear,
     Int4Linear,
     Int8Linear,
     PackedLinear,
@@ -116,3 +118,31 @@ def test_dynamic_int8_linear_is_close_to_float(rows):
     # weights and activations both quantized to 8 bits: a few percent of the output scale
     assert (out - ref).abs().max() < 0.05 * ref.abs().max()
     assert not torch.equal(out, ref)
+
+
+def _tiny_mlp(bf16_values: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64, bias=False), nn.Linear(64, 20))
+    if bf16_values:  # what a bf16 checkpoint loaded as float32 holds
+        for lin in model:
+            lin.weight.data = lin.weight.data.to(torch.bfloat16).float()
+    return model
+
+
+@pytest.mark.skipif(not woq_cpu.available(), reason="no AVX-512 kernel on this machine")
+def test_bf16_weights_exact_keeps_only_linears_bf16_holds_and_computes_the_same():
+    model = _tiny_mlp(bf16_values=True)
+    model[2].weight.data[0, 0] = 1.0 + 2.0 ** -20  # not a bf16 value: this layer stays float32
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        ref = model(x)
+    prepare_for_inference(model, None, torch.device("cpu"), bf16_weights="exact")
+    assert isinstance(model[0], Bf16WeightLinear) and isinstance(model[1], Bf16WeightLinear)
+    assert type(model[2]) is nn.Linear
+    assert model[0].weight_bf16.dtype == torch.bfloat16 and model[1].bias is None
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-6)
+    rounded = prepare_for_inference(_tiny_mlp(bf16_values=False), None, torch.device("cpu"), bf16_weights="round")
+    assert all(isinstance(lin, Bf16WeightLinear) for lin in rounded)
+    untouched = prepare_for_inference(_tiny_mlp(bf16_values=False), None, torch.device("cpu"), bf16_weights="exact")
+    assert all(type(lin) is nn.Linear for lin in untouched)

@@ -95,6 +95,33 @@ void int4_tile(const float* x, int64_t ldx, const uint8_t* w, const float* scale
     for (int m = 0; m < MB; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[n][m], acc_hi[n][m]));
 }
 
+// bf16 weights, float32 activations and arithmetic (CPUs without bf16 dot products): a bf16 is
+// the top half of a float32, so per 32 inputs one 64-byte load gives the even inputs as floats by
+// a 16-bit shift and the odd ones by a mask. The activations are reordered to match once per
+// call (bf16_order_x: per 32 inputs, the 16 even then the 16 odd).
+template <int NB, int MB>
+void bf16_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
+  __m512 acc[NB][MB];
+  for (int n = 0; n < NB; ++n)
+    for (int m = 0; m < MB; ++m) acc[n][m] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512 we[NB], wo[NB];
+    for (int n = 0; n < NB; ++n) {
+      prefetch(w + n * K + k);
+      const __m512i v = _mm512_loadu_si512(w + n * K + k);
+      we[n] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      wo[n] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xe = _mm512_loadu_ps(x + m * ldx + k), xo = _mm512_loadu_ps(x + m * ldx + k + 16);
+      for (int n = 0; n < NB; ++n) acc[n][m] = _mm512_fmadd_ps(wo[n], xo, _mm512_fmadd_ps(we[n], xe, acc[n][m]));
+    }
+  }
+  for (int n = 0; n < NB; ++n)
+    for (int m = 0; m < MB; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(acc[n][m]);
+}
+
 // Dispatch a runtime (nb, mb) to the template instance; tiles are at most kNB x kMB.
 template <int NB, typename F>
 void rows_loop(int64_t M, F&& tile) {
@@ -180,7 +207,29 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return finish(y, x, N);
 }
 
+// x [M, K] float32 -> per 32 inputs the 16 even then the 16 odd (bf16_tile's order)
+at::Tensor bf16_order_x(const at::Tensor& xf, int64_t K) {
+  return xf.view({xf.size(0), K / 32, 16, 2}).transpose(2, 3).contiguous().view({xf.size(0), K});
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(weight.dtype() == at::kBFloat16 && weight.is_contiguous(), "bf16 linear: contiguous bf16 [N, K] weight");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(K % 32 == 0, "bf16 linear: K must be a multiple of 32");
+  const at::Tensor xf = bf16_order_x(as_float_rows(x, K), K);
+  const int64_t M = xf.size(0);
+  at::Tensor y = at::empty({M, N}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  float* yp = y.data_ptr<float>();
+  blocks_loop<kNB>(M, N, [&](auto nb, auto mb, int64_t n0, int64_t m0) {
+    bf16_tile<decltype(nb)::value, decltype(mb)::value>(xp + m0 * K, K, wp + n0 * K, K, yp + m0 * N + n0, N);
+  });
+  return finish(y, x, N);
+}
+
 TORCH_LIBRARY(specdec_woq, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor", &int8_linear);
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets) -> Tensor", &int4_linear);
+  m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor", &bf16_linear);
 }
