@@ -26,7 +26,7 @@ from specdec.kernels.woq_format import (
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 DISABLE_ENV = "SPECDEC_DISABLE_WOQ_KERNEL"
-BF16_KERNEL_MAX_ROWS = 16
+BF16_KERNEL_MAX_ROWS = 128
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,9 +62,10 @@ def linear(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for a bf16 [N, K] weight in float32 arithmetic (``F.linear(x.float(),
     weight.float())`` to float32 rounding), result in x's dtype; the kernel where it runs."""
-    rows = x.numel() // max(x.shape[-1], 1)
+    k = weight.shape[1]
+    rows = x.numel() // max(k, 1)
     # past BF16_KERNEL_MAX_ROWS rows (prefill) float32 GEMM on a widened copy is faster
-    ops = extension() if x.device.type == "cpu" and weight.shape[1] % 32 == 0 and rows <= BF16_KERNEL_MAX_ROWS else None
+    ops = extension() if x.device.type == "cpu" and k % 32 == 0 and rows <= BF16_KERNEL_MAX_ROWS else None
     if ops is None:
         return F.linear(x.float(), weight.float()).to(x.dtype)
     return ops.bf16_linear(x, weight)
