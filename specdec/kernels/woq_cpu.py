@@ -66,9 +66,37 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // max(k, 1)
     # past BF16_KERNEL_MAX_ROWS rows (prefill) float32 GEMM on a widened copy is faster
     ops = extension() if x.device.type == "cpu" and k % 32 == 0 and rows <= BF16_KERNEL_MAX_ROWS else None
-    if ops is None:
+    if ops is not None:
+        return ops.bf16_linear(x, weight)
+    if x.device.type != "cpu":
         return F.linear(x.float(), weight.float()).to(x.dtype)
-    return ops.bf16_linear(x, weight)
+    # widened a slice of outputs at a time into one reused buffer (no fresh pages per call,
+    # bounded memory)
+    flat = x.reshape(rows, k).float()
+    n = weight.shape[0]
+    step = max(1, _WIDEN_ELEMENTS // k)
+    out = torch.empty(rows, n)
+    buf = _widen_buffer(min(step, n) * k)
+    for n0 in range(0, n, step):
+        w = buf[:(min(n, n0 + step) - n0) * k].view(-1, k)
+        w.copy_(weight[n0:n0 + w.shape[0]])
+        out[:, n0:n0 + w.shape[0]] = flat @ w.T
+    return out.view(*x.shape[:-1], n).to(x.dtype)
+
+
+_WIDEN_ELEMENTS = 1 << 24  # float32 elements of the widening buffer (64 MiB)
+
+
+@functools.lru_cache(maxsize=1)
+def _widen_buffer_storage() -> list:
+    return [torch.empty(0)]
+
+
+def _widen_buffer(elements: int) -> torch.Tensor:
+    holder = _widen_buffer_storage()
+    if holder[0].numel() < elements:
+        holder[0] = torch.empty(elements)
+    return holder[0][:elements]
 
 
 @functools.lru_cache(maxsize=1)

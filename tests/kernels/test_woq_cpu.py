@@ -263,3 +263,11 @@ def test_bf16_kernel_row_i_of_an_m_row_call_equals_the_one_row_call_bitwise():
 def test_bf16_linear_the_kernel_does_not_take_is_f_linear_on_the_widened_weight():
     w, x = bf16_case(5, 48, 3, seed=6)  # K not a multiple of 32: the widened F.linear
     torch.testing.assert_close(woq_cpu.bf16_linear(x, w), torch.nn.functional.linear(x, w.float()), rtol=0, atol=0)
+
+
+def test_bf16_linear_past_the_kernel_rows_widens_slices_of_outputs(monkeypatch):
+    w, x = bf16_case(37, 64, 130, seed=7)
+    monkeypatch.setattr(woq_cpu, "_WIDEN_ELEMENTS", 10 * 64)  # 10 outputs per slice: 4 slices
+    y = woq_cpu.bf16_linear(x.view(2, 65, 64), w)
+    assert y.shape == (2, 65, 37)
+    torch.testing.assert_close(y.view(130, 37), x @ w.float().T, rtol=1e-6, atol=1e-5)
