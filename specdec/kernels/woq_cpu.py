@@ -132,14 +132,49 @@ def a8_order(k: int, group_size: int = 32) -> torch.Tensor:
     return torch.cat(parts)
 
 
+SUPER_BLOCK = 256  # inputs per super-block of two-level scales (GGUF's K-quants)
+# (divisor, sign) tried per super-block for two-level scales, factor = sign * (the block's value
+# of largest magnitude) / divisor: that group's code is 63 in a llama.cpp Q4_K block (scales and
+# mins) and -128 in a Q6_K one; the others cover encoders whose largest code rounds lower
+_FACTORS = ((63.0, 1.0), (128.0, -1.0), (127.0, 1.0), (62.0, 1.0), (126.0, 1.0), (61.0, 1.0), (125.0, 1.0))
+
+
+def compact_scales(values: torch.Tensor, group_size: int, half: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The smallest form of float32 [N, K / G] group scales (or offsets) that holds them exactly:
+    float16; else int8 codes times one float32 factor per super-block of 256 inputs (what a GGUF
+    K-quant stores: d * sc); else float32 as is. -> (values or codes, factors or None)."""
+    if half and torch.isfinite(values.half()).all() and torch.equal(values.half().float(), values):
+        return values.half(), None
+    per = SUPER_BLOCK // group_size
+    if SUPER_BLOCK % group_size or values.shape[1] % per or per > 16:
+        return values, None
+    blocks = values.reshape(values.shape[0], -1, per)
+    largest = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))  # signed, largest magnitude
+    factor = torch.zeros_like(largest)
+    codes = torch.zeros_like(blocks)
+    found = largest == 0  # an all-zero block: codes 0, factor 0
+    for divisor, sign in _FACTORS:
+        f = sign * largest / divisor
+        c = (blocks / torch.where(f != 0, f, 1.0)).round()
+        ok = ((c >= -128) & (c <= 127) & (c * f == blocks)).all(dim=-1, keepdim=True) & ~found
+        factor, codes, found = torch.where(ok, f, factor), torch.where(ok, c, codes), found | ok
+    if not found.all():
+        return values, None
+    return codes.to(torch.int8).reshape(values.shape), factor.reshape(values.shape[0], -1).contiguous()
+
+
 @dataclass
 class A8Weight:
     """An ``Int8Weight`` / ``Int4Weight`` with its integers in the VNNI kernel's chunk order (int8:
     [N, K] int8; int4: [N, K / 2] uint8, 32 bytes per 64 positions, byte b = position b low,
-    b + 32 high), and the source's scales and (int4) offsets. ``source()`` gives the weight back."""
+    b + 32 high), and the source's scales and (int4) offsets. ``source()`` gives the weight back.
+    ``kernel_scales`` / ``kernel_offsets`` are the compact forms the kernel reads (``compact_scales``:
+    the same values in fewer bytes): ``(values, super-block factors or None)``."""
     weight: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor | None  # int4 only
+    kernel_scales: tuple | None = None
+    kernel_offsets: tuple | None = None
 
     @property
     def int4(self) -> bool:
@@ -155,10 +190,23 @@ class A8Weight:
             raise ValueError("int8 activations need K a multiple of 64 and weight groups a multiple of 32 (int8: 16)")
         if isinstance(weight, Int8Weight):
             order = a8_order(weight.qweight.shape[1], weight.group_size)
-            return cls(weight.qweight[:, order].contiguous(), weight.scales, None)
+            return cls(weight.qweight[:, order].contiguous(), weight.scales, None).compacted()
         n, k = weight.shape
         q = weight.unpacked()[:, a8_order(k, weight.group_size)].view(n, k // 64, 2, 32)
-        return cls((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous(), weight.scales, weight.offsets)
+        return cls((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous(), weight.scales,
+                   weight.offsets).compacted()
+
+    def compacted(self) -> "A8Weight":
+        """With the kernel's compact scales; scales and offsets share one form (a weight whose
+        offsets do not take the scales' form keeps float32 for both)."""
+        g = self.in_features // self.scales.shape[1]
+        scales = compact_scales(self.scales, g)
+        offsets = compact_scales(self.offsets, g) if self.int4 else None
+        if offsets is not None and offsets[0].dtype != scales[0].dtype:  # one fp16-exact by chance
+            scales, offsets = compact_scales(self.scales, g, half=False), compact_scales(self.offsets, g, half=False)
+        if offsets is not None and offsets[0].dtype != scales[0].dtype:
+            scales, offsets = (self.scales, None), (self.offsets, None)
+        return A8Weight(self.weight, self.scales, self.offsets, scales, offsets)
 
     def source(self) -> Int8Weight | Int4Weight:
         n, k = self.weight.shape[0], self.in_features
@@ -174,11 +222,16 @@ class A8Weight:
         return Int4Weight(pack_nibbles(q), self.scales, self.offsets)
 
 
+_NONE = torch.empty(0)
+
+
 def linear_a8(x: torch.Tensor, weight: A8Weight) -> torch.Tensor:
     """``woq_format.reference_linear_a8(x, weight.source())`` (int8 activations), to float32
     rounding; row i of an M-row call equals the one-row call bit for bit. x: [..., K] -> [..., N]."""
     ops = extension_a8() if x.device.type == "cpu" else None
     if ops is None:
         return reference_linear_a8(x, weight.source())
-    offsets = weight.offsets if weight.int4 else weight.scales  # not read for int8
-    return ops.a8_linear(x, weight.weight, weight.scales, offsets, weight.in_features)
+    scales, scales_sup = weight.kernel_scales or (weight.scales, None)
+    offsets, offsets_sup = (weight.kernel_offsets or (weight.offsets, None)) if weight.int4 else (scales, None)
+    return ops.a8_linear(x, weight.weight, scales, offsets, _NONE if scales_sup is None else scales_sup,
+                         _NONE if offsets_sup is None else offsets_sup, weight.in_features)

@@ -112,7 +112,13 @@ class WeightOnlyLinear(nn.Module):
         # int8 activations (module docstring): the integers are kept in the VNNI kernel's order only
         self.int8_activations = int8_activations and supports_a8(weight)
         if self.int8_activations:
-            self.register_buffer("a8_layout", woq_cpu.A8Weight.prepare(weight).weight)
+            a8 = woq_cpu.A8Weight.prepare(weight)
+            self.register_buffer("a8_layout", a8.weight)
+            # the compact scales the kernel reads (the same values as ``scales`` / ``offsets``)
+            self.register_buffer("a8_scales", a8.kernel_scales[0])
+            self.register_buffer("a8_scale_factors", a8.kernel_scales[1])
+            self.register_buffer("a8_offsets", a8.kernel_offsets[0] if self.int4 else None)
+            self.register_buffer("a8_offset_factors", a8.kernel_offsets[1] if self.int4 else None)
         elif self.int4:
             self.register_buffer("packed", weight.packed)
         else:
@@ -124,7 +130,9 @@ class WeightOnlyLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def a8_weight(self) -> woq_cpu.A8Weight:
-        return woq_cpu.A8Weight(self.a8_layout, self.scales, self.offsets if self.int4 else None)
+        return woq_cpu.A8Weight(self.a8_layout, self.scales, self.offsets if self.int4 else None,
+                                (self.a8_scales, self.a8_scale_factors),
+                                (self.a8_offsets, self.a8_offset_factors) if self.int4 else None)
 
     def quantized_weight(self) -> Int8Weight | Int4Weight:
         if self.int8_activations:

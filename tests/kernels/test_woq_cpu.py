@@ -271,3 +271,58 @@ def test_bf16_linear_past_the_kernel_rows_widens_slices_of_outputs(monkeypatch):
     y = woq_cpu.bf16_linear(x.view(2, 65, 64), w)
     assert y.shape == (2, 65, 37)
     torch.testing.assert_close(y.view(130, 37), x @ w.float().T, rtol=1e-6, atol=1e-5)
+
+
+def k_quant_scales(n: int, k: int, group: int, seed: int, signed: bool) -> torch.Tensor:
+    """[n, k / group] float32 scales as a GGUF K-quant holds them: an fp16 factor per 256 inputs
+    times small integer codes (Q4_K: 0..63, the largest 63; Q6_K: -128..127, the largest -128)."""
+    g = torch.Generator().manual_seed(seed)
+    per = 256 // group
+    d = ((torch.rand(n, k // 256, 1, generator=g) - (0.5 if signed else 0.0)) * 0.02).half().float()
+    lo, top = (-127, -128) if signed else (0, 63)
+    codes = torch.randint(lo, 128 if signed else 64, (n, k // 256, per), generator=g).float()
+    codes[..., 1] = top
+    return (d * codes).reshape(n, -1)
+
+
+def test_compact_scales_hold_the_same_values_in_fewer_bytes():
+    fp16 = (torch.rand(4, 8) * 0.01).half().float()
+    assert woq_cpu.compact_scales(fp16, 32)[0].dtype == torch.float16
+    for group, signed in ((32, False), (16, True)):
+        s = k_quant_scales(3, 512, group, seed=group, signed=signed)
+        codes, factors = woq_cpu.compact_scales(s, group)
+        assert codes.dtype == torch.int8 and factors.shape == (3, 2)
+        assert torch.equal((codes.float().view(3, 2, -1) * factors[..., None]).reshape(3, -1), s)
+    for offsets in (-k_quant_scales(3, 512, 32, seed=9, signed=False),):  # Q4_K's -dmin * m
+        codes, factors = woq_cpu.compact_scales(offsets, 32)
+        assert codes.dtype == torch.int8
+    arbitrary = torch.rand(3, 16) * 0.01  # float32 values of no such form stay float32
+    values, factors = woq_cpu.compact_scales(arbitrary, 32)
+    assert values is arbitrary and factors is None
+
+
+@needs_a8_kernel
+@pytest.mark.parametrize("kind", ["int4-fp16", "int4-two-level", "int8-g16-two-level", "int8-g32-fp16"])
+def test_a8_kernel_on_compact_scales_equals_it_on_float32_scales_bitwise(kind):
+    n, k = 37, 768
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, k, generator=g) * 3
+    if kind.startswith("int4"):
+        base = quantize_int4(torch.randn(n, k, generator=g) * 0.05, 32)
+        if kind == "int4-fp16":
+            scales, offsets = base.scales.half().float(), base.offsets.half().float()
+        else:
+            scales, offsets = k_quant_scales(n, k, 32, 4, False), -k_quant_scales(n, k, 32, 5, False)
+        weight = Int4Weight(base.packed, scales, offsets)
+    else:
+        group = 16 if "g16" in kind else 32
+        base = quantize_int8(torch.randn(n, k, generator=g) * 0.05, group)
+        scales = k_quant_scales(n, k, 16, 6, True) if group == 16 else base.scales.half().float()
+        weight = Int8Weight(base.qweight, scales)
+    compact = woq_cpu.A8Weight.prepare(weight)
+    expected = torch.int8 if "two-level" in kind else torch.float16
+    assert compact.kernel_scales[0].dtype == expected
+    assert compact.kernel_offsets is None or compact.kernel_offsets[0].dtype == expected
+    plain = woq_cpu.A8Weight(compact.weight, compact.scales, compact.offsets)  # float32 scales
+    for rows in (1, 6):
+        assert torch.equal(woq_cpu.linear_a8(x[:rows], compact), woq_cpu.linear_a8(x[:rows], plain))

@@ -56,9 +56,13 @@ struct Chunk {
   int64_t c0, C, g0;
   __m512i group_of_lane;  // lane -> its weight group, relative to g0
   __mmask16 groups;       // the groups the chunk touches, from g0
+  int64_t sb0;            // two-level scales: the chunk's first super-block of S inputs
+  __m512i super_of_group; // group (relative to g0) -> its super-block, relative to sb0
+  __mmask16 supers;       // the super-blocks the chunk touches, from sb0
 };
 
-std::vector<Chunk> make_chunks(int64_t K, int64_t G) {
+// S: inputs per super-block of two-level scales (0: none)
+std::vector<Chunk> make_chunks(int64_t K, int64_t G, int64_t S = 0) {
   std::vector<Chunk> out;
   int64_t c0 = 0;
   while (c0 < K) {
@@ -72,6 +76,11 @@ std::vector<Chunk> make_chunks(int64_t K, int64_t G) {
     for (int l = 0; l < 16; ++l) idx[l] = static_cast<int32_t>((c0 + l * (C / 16)) / G - c.g0);
     c.group_of_lane = _mm512_load_si512(idx);
     c.groups = static_cast<__mmask16>((1u << (idx[15] + 1)) - 1);
+    c.sb0 = S > 0 ? c0 / S : 0;
+    alignas(64) int32_t sup[16] = {};
+    for (int j = 0; j <= idx[15] && S > 0; ++j) sup[j] = static_cast<int32_t>((c0 + j * G) / S - c.sb0);
+    c.super_of_group = _mm512_load_si512(sup);
+    c.supers = static_cast<__mmask16>((1u << (sup[idx[15]] + 1)) - 1);
     out.push_back(c);
     c0 += C;
   }
@@ -83,12 +92,34 @@ struct Args {
   const float* xs;      // [M, L] the activation scale of each lane (L = 16 * chunks)
   const float* xsum;    // [M, L] int4: the sum of each lane's quantized activations
   const uint8_t* w;     // int8 [N, K] or int4 [N, K / 2], chunk order
-  const float* ws;      // [N, K / G]
-  const float* wo;      // [N, K / G] int4 offsets
+  const void* ws;       // [N, K / G] group scales: float32, float16 or (two-level) int8
+  const void* wo;       // [N, K / G] int4 offsets, as the scales
+  const float* ws_sup;  // two-level: [N, K / S] float32 super-block factors of the scales
+  const float* wo_sup;  // two-level, int4: of the offsets
   const Chunk* chunks;
-  int64_t num_chunks, K, G, L, N;
+  int64_t num_chunks, K, G, L, N, nsb;
   float* y;
 };
+
+// Scale formats (the scales' dtype): float32 as is; float16 widened; int8 times the float32
+// factor of its super-block. Each gives the same float32 values a float32 copy would hold (the
+// Python side stores a compact form only where it is exact), so the result does not depend on it.
+enum ScaleFormat { kF32 = 0, kF16 = 1, kTwoLevel = 2 };
+
+// The chunk's group values (lane j = group g0 + j) of output n.
+template <int SF>
+__attribute__((always_inline)) inline __m512 group_values(const Args& a, const Chunk& ch, const void* v,
+                                                         const float* sup, int64_t n) {
+  const int64_t base = n * (a.K / a.G) + ch.g0;
+  if (SF == kF32) return _mm512_maskz_loadu_ps(ch.groups, static_cast<const float*>(v) + base);
+  if (SF == kF16)
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(ch.groups, static_cast<const uint16_t*>(v) + base));
+  const __m512 mult = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(ch.groups, static_cast<const int8_t*>(v) + base)));
+  const __m512 factor = _mm512_permutexvar_ps(ch.super_of_group,
+                                              _mm512_maskz_loadu_ps(ch.supers, sup + n * a.nsb + ch.sb0));
+  return _mm512_mul_ps(mult, factor);
+}
 
 // acc += u8 a . s8 b per 32-bit lane (vpdpbusd), accumulating in place: written with the
 // intrinsic, gcc 12 copies every accumulator of a large tile through another register (and the
@@ -106,9 +137,8 @@ __attribute__((always_inline)) inline __m512i load_weights(const Args& a, int64_
   return _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4), _mm512_set1_epi8(0x0F));
 }
 
-template <bool INT4, int NB, int MB>
+template <bool INT4, int SF, int NB, int MB>
 void tile(const Args& a, int64_t n0, int64_t m0) {
-  const int64_t ng = a.K / a.G;
   const __m512i ones = _mm512_set1_epi8(1);
   // float accumulators live in memory (L1): touched once per chunk, they leave the registers to
   // the integer accumulators of the inner loop
@@ -136,9 +166,8 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
     }
     __m512 sv[NB], ov[NB];
     for (int n = 0; n < NB; ++n) {
-      const int64_t base = (n0 + n) * ng + ch.g0;
-      sv[n] = _mm512_permutexvar_ps(ch.group_of_lane, _mm512_maskz_loadu_ps(ch.groups, a.ws + base));
-      if (INT4) ov[n] = _mm512_permutexvar_ps(ch.group_of_lane, _mm512_maskz_loadu_ps(ch.groups, a.wo + base));
+      sv[n] = _mm512_permutexvar_ps(ch.group_of_lane, group_values<SF>(a, ch, a.ws, a.ws_sup, n0 + n));
+      if (INT4) ov[n] = _mm512_permutexvar_ps(ch.group_of_lane, group_values<SF>(a, ch, a.wo, a.wo_sup, n0 + n));
       else wsum[n] = _mm512_slli_epi32(wsum[n], 7);
     }
     for (int m = 0; m < MB; ++m) {
@@ -161,35 +190,40 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
     for (int m = 0; m < MB; ++m) a.y[(m0 + m) * a.N + n0 + n] = _mm512_reduce_add_ps(_mm512_load_ps(facc_mem[n][m]));
 }
 
-template <bool INT4, int NB, int MB>
+template <bool INT4, int SF, int NB, int MB>
 void run(const Args& a) {
   const int64_t full = a.N / NB;
   at::parallel_for(0, full, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) tile<INT4, NB, MB>(a, b * NB, 0);
+    for (int64_t b = begin; b < end; ++b) tile<INT4, SF, NB, MB>(a, b * NB, 0);
   });
-  for (int64_t n = full * NB; n < a.N; ++n) tile<INT4, 1, MB>(a, n, 0);
+  for (int64_t n = full * NB; n < a.N; ++n) tile<INT4, SF, 1, MB>(a, n, 0);
 }
 
 // One tile holds all M <= 9 rows, so each weight is loaded (and int4 unpacked) once per call;
 // outputs per tile shrink as rows grow to keep the integer accumulators in registers.
-template <bool INT4>
+template <bool INT4, int SF>
 void run_rows(const Args& a, int64_t M) {
   switch (M) {
-    case 1: run<INT4, A8_NB1, 1>(a); break;
-    case 2: run<INT4, A8_NB2, 2>(a); break;
-    case 3: run<INT4, A8_NB3, 3>(a); break;
-    case 4: run<INT4, A8_NB4, 4>(a); break;
-    case 5: run<INT4, A8_NB6, 5>(a); break;
-    case 6: run<INT4, A8_NB6, 6>(a); break;
-    case 7: run<INT4, A8_NB9, 7>(a); break;
-    case 8: run<INT4, A8_NB9, 8>(a); break;
-    case 9: run<INT4, A8_NB9, 9>(a); break;
+    case 1: run<INT4, SF, A8_NB1, 1>(a); break;
+    case 2: run<INT4, SF, A8_NB2, 2>(a); break;
+    case 3: run<INT4, SF, A8_NB3, 3>(a); break;
+    case 4: run<INT4, SF, A8_NB4, 4>(a); break;
+    case 5: run<INT4, SF, A8_NB6, 5>(a); break;
+    case 6: run<INT4, SF, A8_NB6, 6>(a); break;
+    case 7: run<INT4, SF, A8_NB9, 7>(a); break;
+    case 8: run<INT4, SF, A8_NB9, 8>(a); break;
+    case 9: run<INT4, SF, A8_NB9, 9>(a); break;
     default: break;
   }
 }
 
 template <bool INT4>
-void run_all(const Args& a, int64_t M) {
+void run_format(const Args& a, int64_t M, int sf) {
+  sf == kF32 ? run_rows<INT4, kF32>(a, M) : sf == kF16 ? run_rows<INT4, kF16>(a, M) : run_rows<INT4, kTwoLevel>(a, M);
+}
+
+template <bool INT4>
+void run_all(const Args& a, int64_t M, int sf) {
   // more rows: blocks of kMaxRows with their own Args offsets, the remainder last
   constexpr int64_t kMaxRows = 9;
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
@@ -198,7 +232,7 @@ void run_all(const Args& a, int64_t M) {
     part.xs += m0 * a.L;
     if (INT4) part.xsum += m0 * a.L;
     part.y += m0 * a.N;
-    run_rows<INT4>(part, std::min(kMaxRows, M - m0));
+    run_format<INT4>(part, std::min(kMaxRows, M - m0), sf);
   }
 }
 
@@ -242,30 +276,46 @@ void quantize_rows(const float* x, int64_t M, int64_t K, const std::vector<Chunk
   }
 }
 
-void check_shapes(const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& offsets, int64_t K,
-                  bool int4) {
+int scale_format(const at::Tensor& scales) {
+  return scales.scalar_type() == at::kFloat ? kF32 : scales.scalar_type() == at::kHalf ? kF16 : kTwoLevel;
+}
+
+void check_shapes(const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& offsets,
+                  const at::Tensor& scales_sup, const at::Tensor& offsets_sup, int64_t K, bool int4) {
   TORCH_CHECK(weight.is_contiguous() && weight.size(1) == (int4 ? K / 2 : K), "woq a8: weight [N, K] / [N, K / 2]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == weight.size(0),
-              "woq a8: float32 [N, K / G] scales");
+  const auto st = scales.scalar_type();
+  TORCH_CHECK((st == at::kFloat || st == at::kHalf || st == at::kChar) && scales.is_contiguous() &&
+              scales.size(0) == weight.size(0), "woq a8: float32, float16 or int8 [N, K / G] scales");
   const int64_t G = K / scales.size(1);
   TORCH_CHECK(K % 64 == 0 && G % (int4 ? 32 : 16) == 0 && G * scales.size(1) == K,
               "woq a8: K a multiple of 64, G of 32 (int4) or 16 (int8)");
-  TORCH_CHECK(!int4 || (offsets.scalar_type() == at::kFloat && offsets.sizes() == scales.sizes() &&
-                        offsets.is_contiguous()), "woq a8: float32 int4 offsets shaped as the scales");
+  TORCH_CHECK(!int4 || (offsets.scalar_type() == st && offsets.sizes() == scales.sizes() && offsets.is_contiguous()),
+              "woq a8: int4 offsets shaped and typed as the scales");
+  if (st == at::kChar) {
+    const int64_t nsb = scales_sup.size(1), S = K / nsb;
+    TORCH_CHECK(scales_sup.scalar_type() == at::kFloat && scales_sup.is_contiguous() &&
+                scales_sup.size(0) == weight.size(0) && S * nsb == K && S % G == 0 && S >= 32,
+                "woq a8: int8 scales need float32 [N, K / S] super-block factors, S a multiple of G and >= 32");
+    TORCH_CHECK(!int4 || (offsets_sup.sizes() == scales_sup.sizes() && offsets_sup.scalar_type() == at::kFloat &&
+                          offsets_sup.is_contiguous()), "woq a8: int4 offset factors shaped as the scale factors");
+  }
 }
 
 }  // namespace
 
 at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                     const at::Tensor& offsets, int64_t K) {
+                     const at::Tensor& offsets, const at::Tensor& scales_sup, const at::Tensor& offsets_sup,
+                     int64_t K) {
   const bool int4 = weight.scalar_type() == at::kByte;
   TORCH_CHECK(int4 || weight.scalar_type() == at::kChar, "woq a8: int8 or packed uint8 int4 weight");
-  check_shapes(weight, scales, offsets, K, int4);
+  check_shapes(weight, scales, offsets, scales_sup, offsets_sup, K, int4);
+  const int sf = scale_format(scales);
+  const int64_t S = sf == kTwoLevel ? K / scales_sup.size(1) : 0;
   TORCH_CHECK(x.size(-1) == K, "woq a8: x has ", x.size(-1), " inputs, the weight ", K);
   const int64_t N = weight.size(0), G = K / scales.size(1);
   const at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
   const int64_t M = xf.size(0);
-  const std::vector<Chunk> chunks = make_chunks(K, G);
+  const std::vector<Chunk> chunks = make_chunks(K, G, S);
   const int64_t L = 16 * static_cast<int64_t>(chunks.size());
   at::Tensor xq = at::empty({M, K}, xf.options().dtype(at::kByte));
   at::Tensor xs = at::empty({M, L}, xf.options());
@@ -273,11 +323,13 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
   quantize_rows(xf.data_ptr<float>(), M, K, chunks, int4, xq.data_ptr<uint8_t>(), xs.data_ptr<float>(),
                 int4 ? xsum.data_ptr<float>() : nullptr);
   at::Tensor y = at::empty({M, N}, xf.options());
+  const bool two = sf == kTwoLevel;
   const Args a{xq.data_ptr<uint8_t>(), xs.data_ptr<float>(), int4 ? xsum.data_ptr<float>() : nullptr,
-               static_cast<const uint8_t*>(weight.data_ptr()), scales.data_ptr<float>(),
-               int4 ? offsets.data_ptr<float>() : nullptr, chunks.data(), static_cast<int64_t>(chunks.size()),
-               K, G, L, N, y.data_ptr<float>()};
-  int4 ? run_all<true>(a, M) : run_all<false>(a, M);
+               static_cast<const uint8_t*>(weight.data_ptr()), scales.data_ptr(), int4 ? offsets.data_ptr() : nullptr,
+               two ? scales_sup.data_ptr<float>() : nullptr, two && int4 ? offsets_sup.data_ptr<float>() : nullptr,
+               chunks.data(), static_cast<int64_t>(chunks.size()), K, G, L, N, two ? scales_sup.size(1) : 0,
+               y.data_ptr<float>()};
+  int4 ? run_all<true>(a, M, sf) : run_all<false>(a, M, sf);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   return y.view(sizes).to(x.scalar_type());
@@ -301,6 +353,7 @@ std::vector<at::Tensor> a8_quantize(const at::Tensor& x, int64_t G, bool int4) {
 }
 
 TORCH_LIBRARY(A8_LIB, m) {
-  m.def("a8_linear(Tensor x, Tensor weight, Tensor scales, Tensor offsets, int K) -> Tensor", &a8_linear);
+  m.def("a8_linear(Tensor x, Tensor weight, Tensor scales, Tensor offsets, Tensor scales_sup, Tensor offsets_sup, "
+        "int K) -> Tensor", &a8_linear);
   m.def("a8_quantize(Tensor x, int G, bool int4) -> Tensor[]", &a8_quantize);
 }
