@@ -1,5 +1,6 @@
-"""The AVX-512 int8 / int4 weight-only CPU kernel (``csrc/woq_linear.cpp``) and the int8-activation
-VNNI kernel (``csrc/woq_a8.cpp``, ``linear_a8``), each built on first use (``cpp_build``).
+"""The AVX-512 int8 / int4 weight-only CPU kernel and the bf16-weight float32 one
+(``csrc/woq_linear.cpp``: ``linear``, ``bf16_linear``) and the int8-activation VNNI kernel
+(``csrc/woq_a8.cpp``, ``linear_a8``), each built on first use (``cpp_build``).
 
 Where one cannot run (no AVX-512, no compiler, a failed build, ``SPECDEC_DISABLE_WOQ_KERNEL=1``)
 ``available()`` is False after one warning and ``linear`` runs ``woq_format.reference_linear``
@@ -85,18 +86,13 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 _WIDEN_ELEMENTS = 1 << 24  # float32 elements of the widening buffer (64 MiB)
-
-
-@functools.lru_cache(maxsize=1)
-def _widen_buffer_storage() -> list:
-    return [torch.empty(0)]
+_widen = [torch.empty(0)]  # the buffer, grown on demand
 
 
 def _widen_buffer(elements: int) -> torch.Tensor:
-    holder = _widen_buffer_storage()
-    if holder[0].numel() < elements:
-        holder[0] = torch.empty(elements)
-    return holder[0][:elements]
+    if _widen[0].numel() < elements:
+        _widen[0] = torch.empty(elements)
+    return _widen[0][:elements]
 
 
 @functools.lru_cache(maxsize=1)

@@ -3,6 +3,9 @@
 - ``PackedLinear``: on CPU, bf16 weights pre-packed once into oneDNN's blocked layout, so a
   decode-sized matmul streams the weight at close to memory bandwidth (measured ~1.3-1.5x
   ``F.linear`` at 1-32 rows on the development machine).
+- ``Bf16WeightLinear``: on CPUs without bf16 arithmetic, where ``dtype="auto"`` is float32, the
+  linears of a bf16 checkpoint keep their bf16 weights and multiply in float32
+  (``woq_cpu.bf16_linear``): the values a float32 copy holds, half its bytes per decode step.
 - ``WeightOnlyLinear`` (``"int8"``: symmetric per output channel; ``"int4"``: scale and
   offset per group of 128 inputs, LM head at int8): the weight stays quantized in memory, so a
   memory-bound step reads about a quarter (int8) or an eighth (int4) of float32's bytes; the CPU

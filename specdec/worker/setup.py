@@ -69,7 +69,7 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
         draft_tp = tp if spec.draft_tensor_parallel_size > 1 else None
         draft_model = prepare_for_inference(
             load_model(draft_path, draft_dtype, device, attn_backend, draft_cfg, tp=draft_tp), spec.quantization, device,
-            _bf16_weights(spec.dtype, draft_dtype, device))
+            _bf16_weights(cfg.dtype if spec.dtype == "auto" else spec.dtype, draft_dtype, device))
         bytes_per_block += ModelRunner.kv_bytes_per_block(draft_cfg, cfg.block_size, draft_dtype)
     eagle = spec is not None and spec.method in ("eagle", "eagle3")
     aux_layers: tuple[int, ...] = ()

@@ -163,6 +163,13 @@ def test_goals_are_paired_per_round_ratios():
     assert missing["met"] is None and missing["note"]
 
 
+def test_a_run_without_batch_1_rounds_or_without_a_batch_round_has_only_its_own_goals():
+    rows, batch = synthetic_rows()
+    only_batch = [g["goal"] for g in goals.goal_checks([], batch, 32)]
+    assert only_batch == ["batch 32 specdec bf16 plain >= vLLM bf16 plain", "batch 32 specdec n-gram K=5 >= vLLM n-gram K=5"]
+    assert not any(g["goal"].startswith("batch") for g in goals.goal_checks(rows, [], 0))
+
+
 def _result():
     rows, batch = synthetic_rows()
     goals.add_ratios(rows)

@@ -45,3 +45,10 @@ def test_auto_keeps_a_bf16_checkpoint_in_bf16_and_decodes_float32_tokens(bf16_ch
 def test_auto_leaves_a_float32_checkpoint_in_float32(llama_path):
     model = LLM(model=llama_path, dtype="auto", **ENGINE).engine.executor.driver_worker.runner.model
     assert not any(isinstance(m, Bf16WeightLinear) for m in model.modules())
+
+
+def test_an_explicit_float32_engine_keeps_float32_weights_in_target_and_draft(bf16_checkpoint):
+    worker = LLM(model=bf16_checkpoint, dtype="float32", **ENGINE, speculative_config={
+        "method": "draft_model", "model": bf16_checkpoint, "num_speculative_tokens": 2}).engine.executor.driver_worker
+    for model in (worker.runner.model, worker.draft_runner.model):
+        assert not any(isinstance(m, Bf16WeightLinear) for m in model.modules())
