@@ -80,10 +80,7 @@ class Bf16WeightLinear(nn.Module):
         return self.weight_bf16.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu":
-            out = woq_cpu.bf16_linear(x, self.weight_bf16)
-        else:
-            out = F.linear(x, self.weight_bf16.to(x.dtype))
+        out = woq_cpu.bf16_linear(x, self.weight_bf16)  # off CPU: F.linear on the widened weight
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
