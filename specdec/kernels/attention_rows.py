@@ -71,4 +71,17 @@ def paged_attention_rows(
                               scale, base, mask)
 
 
-ROWS_BACKEND = AttentionBackend("rows", write_kv_cache, paged_attention_rows)
+def qkv_attention_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                       meta: AttentionMetadata, scale: float, num_heads: int) -> torch.Tensor | None:
+    """Rotary, KV-cache write and ``paged_attention_rows`` in one kernel call from the fused QKV
+    projection's output [T, (H + 2 Hkv) D] -> [T, H, D]; None where the kernel does not apply."""
+    ops = extension() if qkv.device.type == "cpu" else None
+    if ops is None or qkv.dtype != torch.float32 or kv_cache.dtype != torch.float32 or kv_cache.shape[-1] > 256 \
+            or cos.dtype != torch.float32 or qkv.dim() != 2 or qkv.stride(1) != 1:
+        return None
+    base, mask = _tree_inputs(meta)
+    return ops.qkv_attention_rows(qkv, cos, sin, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                  meta.query_start_loc, scale, num_heads, base, mask)
+
+
+ROWS_BACKEND = AttentionBackend("rows", write_kv_cache, paged_attention_rows, qkv_attention_rows)

@@ -30,6 +30,6 @@ def usable(*tensors: torch.Tensor) -> bool:
     """Whether the fused ops take these tensors (float32, CPU, no autograd)."""
     grad = torch.is_grad_enabled()
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or (grad and t.requires_grad):
+        if t.dtype != torch.float32 or not t.is_cpu or (grad and t.requires_grad):
             return False
     return extension() is not None

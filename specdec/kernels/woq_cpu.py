@@ -60,15 +60,22 @@ def linear(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:
     return ops.int4_linear(x, weight.packed, weight.scales, weight.offsets)
 
 
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for a bf16 [N, K] weight in float32 arithmetic (``F.linear(x.float(),
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for a bf16 [N, K] weight in float32 arithmetic (``F.linear(x.float(),
     weight.float())`` to float32 rounding), result in x's dtype; the kernel where it runs."""
     k = weight.shape[1]
     rows = x.numel() // max(k, 1)
     # past BF16_KERNEL_MAX_ROWS rows (prefill) float32 GEMM on a widened copy is faster
     ops = extension() if x.device.type == "cpu" and k % 32 == 0 and rows <= BF16_KERNEL_MAX_ROWS else None
     if ops is not None:
-        return ops.bf16_linear(x, weight)
+        return ops.bf16_linear(x, weight, bias)
+    out = _bf16_linear_unfused(x, weight)
+    return out if bias is None else out + bias
+
+
+def _bf16_linear_unfused(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    k = weight.shape[1]
+    rows = x.numel() // max(k, 1)
     if x.device.type != "cpu":
         return F.linear(x.float(), weight.float()).to(x.dtype)
     # widened a slice of outputs at a time into one reused buffer (no fresh pages per call,
@@ -221,13 +228,20 @@ class A8Weight:
 _NONE = torch.empty(0)
 
 
-def linear_a8(x: torch.Tensor, weight: A8Weight) -> torch.Tensor:
-    """``woq_format.reference_linear_a8(x, weight.source())`` (int8 activations), to float32
+def linear_a8(x: torch.Tensor, weight: A8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``woq_format.reference_linear_a8(x, weight.source()) (+ bias)`` (int8 activations), to float32
     rounding; row i of an M-row call equals the one-row call bit for bit. x: [..., K] -> [..., N]."""
     ops = extension_a8() if x.device.type == "cpu" else None
     if ops is None:
-        return reference_linear_a8(x, weight.source())
+        out = reference_linear_a8(x, weight.source())
+        return out if bias is None else out + bias
+    return ops.a8_linear(x, *a8_kernel_args(weight), bias)
+
+
+def a8_kernel_args(weight: A8Weight) -> tuple:
+    """The kernel's weight arguments for ``weight``: (integers, scales, offsets, scale factors,
+    offset factors, K); a module calls ``a8_linear(x, *args, bias)`` with them cached."""
     scales, scales_sup = weight.kernel_scales or (weight.scales, None)
     offsets, offsets_sup = (weight.kernel_offsets or (weight.offsets, None)) if weight.int4 else (scales, None)
-    return ops.a8_linear(x, weight.weight, scales, offsets, _NONE if scales_sup is None else scales_sup,
-                         _NONE if offsets_sup is None else offsets_sup, weight.in_features)
+    return (weight.weight, scales, offsets, _NONE if scales_sup is None else scales_sup,
+            _NONE if offsets_sup is None else offsets_sup, weight.in_features)

@@ -114,6 +114,10 @@ class AttentionBackend:
     name: str
     write_kv: Callable  # (key, value, kv_cache, slot_mapping) -> None
     attend: Callable  # (query, kv_cache, meta, scale) -> [num_tokens, num_heads, head_dim]
+    # optional, all three in one call from the fused QKV output [T, (H + 2 Hkv) D] (rotary
+    # included): (qkv, cos, sin, kv_cache, meta, scale, num_heads) -> [T, H, D], or None where it
+    # does not apply (the caller then runs rotary, write_kv and attend)
+    qkv_attend: Callable | None = None
 
 
 def write_kv_cache(

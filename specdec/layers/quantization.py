@@ -80,8 +80,7 @@ class Bf16WeightLinear(nn.Module):
         return self.weight_bf16.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = woq_cpu.bf16_linear(x, self.weight_bf16)  # off CPU: F.linear on the widened weight
-        return out if self.bias is None else out + self.bias
+        return woq_cpu.bf16_linear(x, self.weight_bf16, self.bias)  # off CPU: F.linear on the widened weight
 
     def extra_repr(self) -> str:
         return f"bf16 weight, in={self.in_features}, out={self.out_features}"
@@ -144,9 +143,27 @@ class WeightOnlyLinear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         return self.quantized_weight().dequantize(self.compute_dtype)
 
+    def _a8_call(self):
+        """``x -> a8_linear(x, ...weights..., bias)`` with the kernel's arguments gathered once
+        (per call they cost more Python than the kernel call itself at batch 1); re-made when the
+        buffers are new tensors (``.to()``, a copied module)."""
+        layout = self._buffers["a8_layout"]
+        cached = self.__dict__.get("_a8_cached")
+        if cached is not None and cached[0] == id(layout):
+            return cached[1]
+        weight, bias = self.a8_weight(), self.bias
+        ops = woq_cpu.extension_a8() if layout.device.type == "cpu" else None
+        if ops is None:
+            call = lambda x: woq_cpu.linear_a8(x, weight, bias)  # noqa: E731 (the reference off CPU)
+        else:
+            op, args = ops.a8_linear.default, woq_cpu.a8_kernel_args(weight)
+            call = lambda x: op(x, *args, bias)  # noqa: E731
+        self.__dict__["_a8_cached"] = (id(layout), call, layout)
+        return call
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
-            out = woq_cpu.linear_a8(x, self.a8_weight())  # off CPU: the reference
+            return self._a8_call()(x)
         elif x.device.type == "cpu":
             out = woq_cpu.linear(x, self.quantized_weight())
         else:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.kernels import cpu_ops
 from specdec.layers.attention import (
     REFERENCE_BACKEND,
     AttentionBackend,
@@ -58,6 +59,11 @@ class Attention(nn.Module):
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """rope: the (cos, sin) rows of this step's positions, from ``RotaryEmbedding.lookup``."""
         qkv = self.qkv_proj(hidden)
+        if self.q_norm is None and self.backend.qkv_attend is not None:
+            with profile_range("attention"):
+                out = self.backend.qkv_attend(qkv, *rope, kv_cache, meta, self.scale, self.num_heads)
+            if out is not None:
+                return self.o_proj(out.view(-1, self.q_size))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is None:
@@ -86,7 +92,10 @@ class MLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_ops.usable(gate_up) and gate_up.stride(-1) == 1:  # one fused op (``cpu_ops``)
+            return self.down_proj(cpu_ops.extension().silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

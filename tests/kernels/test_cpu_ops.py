@@ -51,3 +51,13 @@ def test_module_uses_torch_for_gradients_and_other_dtypes(monkeypatch):
     monkeypatch.setattr(cpu_ops, "extension", lambda: called.append(1) or None)
     norm(torch.randn(3, 32, dtype=torch.bfloat16).requires_grad_(False)).float()
     assert not called  # bf16 never asks for the fused ops
+
+
+@pytest.mark.parametrize("rows,n", [(1, 4864), (6, 8960), (3, 37)])
+def test_silu_mul_matches_torch_and_rows_do_not_depend_on_their_batch(rows, n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(rows, 2 * n, generator=g) * 6  # gates far into both tails of the sigmoid
+    out = cpu_ops.extension().silu_mul(x)
+    torch.testing.assert_close(out, F.silu(x[:, :n]) * x[:, n:], rtol=2e-6, atol=1e-6)
+    for i in range(rows):
+        assert torch.equal(cpu_ops.extension().silu_mul(x[i:i + 1]), out[i:i + 1])

@@ -326,3 +326,33 @@ def test_a8_kernel_on_compact_scales_equals_it_on_float32_scales_bitwise(kind):
     plain = woq_cpu.A8Weight(compact.weight, compact.scales, compact.offsets)  # float32 scales
     for rows in (1, 6):
         assert torch.equal(woq_cpu.linear_a8(x[:rows], compact), woq_cpu.linear_a8(x[:rows], plain))
+
+
+@needs_a8_kernel
+@pytest.mark.parametrize("rows", [1, 6, 129])
+def test_a_bias_in_the_kernels_adds_as_torch_does_bitwise(rows):
+    weight, x = a8_case("w4a8-g32", n=37, k=256, rows=rows, seed=3)
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(4))
+    kw = woq_cpu.A8Weight.prepare(weight)
+    assert torch.equal(woq_cpu.linear_a8(x, kw, bias), woq_cpu.linear_a8(x, kw) + bias)
+    w, x = bf16_case(37, 256, rows, seed=3)  # 129 rows: past the kernel, widened F.linear
+    assert torch.equal(woq_cpu.bf16_linear(x, w, bias), woq_cpu.bf16_linear(x, w) + bias)
+    with pytest.raises(RuntimeError, match="bias has 36 elements"):
+        woq_cpu.linear_a8(x[:, :256], kw, bias[:36])
+
+
+@needs_a8_kernel
+def test_a_module_s_cached_kernel_arguments_follow_its_buffers():
+    import copy
+
+    from specdec.layers.quantization import W4A8Linear
+
+    linear = torch.nn.Linear(256, 37)
+    module = W4A8Linear(linear)
+    x = torch.randn(2, 256)
+    before = module(x)
+    twin = copy.deepcopy(module)  # its own buffers: its calls must read them, not the original's
+    twin.a8_scales.zero_() if twin.a8_scales.dtype != torch.int8 else twin.a8_scale_factors.zero_()
+    twin.a8_offsets.zero_() if twin.a8_offsets.dtype != torch.int8 else twin.a8_offset_factors.zero_()
+    assert torch.equal(twin(x), linear.bias.detach().expand(2, 37))
+    assert torch.equal(module(x), before)

@@ -63,6 +63,11 @@ BATCH1_CONFIGS = (
                {"model": "{target_q4_k_m}", "quantization": "w4a8",
                 "speculative_config": {**_draft(), "model": "{draft_q4_k_m}", "quantization": "w4a8"},
                 "draft_gguf": "q4_k_m"}, "gguf:q4_k_m", speculative=True),
+    # the draft need not match any file: its bf16 checkpoint requantized to int4 (groups of 32,
+    # int8 head) reads fewer bytes than its Q4_K_M file's kept formats (Q5_0 runs as int8)
+    PeerConfig(SPECDEC, "Q4_K_M gguf w4a8 + w4a8 draft K=5", None,
+               {"model": "{target_q4_k_m}", "quantization": "w4a8",
+                "speculative_config": {**_draft(), "quantization": "w4a8"}}, "gguf:q4_k_m", speculative=True),
     PeerConfig(VLLM, "bf16 plain", "bf16 plain", {}),
     PeerConfig(VLLM, "bf16 + bf16 draft K=5", "bf16 draft K=5", {"speculative_config": _draft()}, speculative=True),
     PeerConfig(VLLM, "n-gram K=5", "n-gram K=5", {"speculative_config": NGRAM_K5}, speculative=True),

@@ -9,11 +9,15 @@
 // instructions for every element); l = sum p_n and o = sum p_n v_n in key order; out = o / l.
 // Visible: n <= seq_len - q_len + j (bottom-right causal) and, for a token-tree request, n < base
 // or bit (n - base) of the row's mask.
+//
+// ``qkv_attention_rows`` runs a layer's rotary, KV-cache write and attention in one call from the
+// fused QKV projection's output (at batch 1 the separate ops cost more than their arithmetic).
 #include <immintrin.h>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -148,7 +152,9 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& kv_cache, c
   const bool tree = tree_base.has_value() && tree_base->defined();
   const at::Tensor tb = tree ? tree_base->to(at::kLong).contiguous() : at::Tensor();
   const at::Tensor tm = tree ? tree_mask->to(at::kByte).contiguous() : at::Tensor();
-  const Args a{query.data_ptr<float>(), kv_cache[0].data_ptr<float>(), kv_cache[1].data_ptr<float>(),
+  const int64_t layer = kv_cache.size(1) * bs * Hkv * D;  // floats of one of K / V
+  const float* cache = kv_cache.data_ptr<float>();
+  const Args a{query.data_ptr<float>(), cache, cache + layer,
                bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), qsl.data_ptr<int64_t>(),
                tree ? tb.data_ptr<int64_t>() : nullptr, tree ? tm.data_ptr<uint8_t>() : nullptr,
                tree ? tm.size(1) : 0, bt.size(1), bs, H, Hkv, D, static_cast<float>(scale), out.data_ptr<float>()};
@@ -167,7 +173,59 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& kv_cache, c
   return out;
 }
 
+// One attention layer's work between its QKV and output projections, in one call: the fused qkv
+// rows [T, (H + 2 Hkv) * D] (queries, keys, values), rotated (rotate-half rotary with the step's
+// cos / sin [T, 1, D/2] rows) for queries and keys, keys and values written to the cache at
+// slot_mapping [T], then ``attention_rows`` over the cache. -> [T, H, D].
+at::Tensor qkv_attention_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const at::Tensor& query_start_loc, double scale, int64_t num_heads,
+                              const c10::optional<at::Tensor>& tree_base, const c10::optional<at::Tensor>& tree_mask) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat && qkv.dim() == 2 &&
+              qkv.stride(1) == 1, "qkv_attention_rows: float32 qkv [T, (H + 2 Hkv) * D], rows contiguous");
+  TORCH_CHECK(kv_cache.is_contiguous(), "qkv_attention_rows: contiguous kv_cache");
+  const int64_t T = qkv.size(0), H = num_heads, Hkv = kv_cache.size(3), D = kv_cache.size(4), half = D / 2;
+  TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D && D % 2 == 0, "qkv_attention_rows: qkv width ", qkv.size(1),
+              " is not (", H, " + 2 * ", Hkv, ") * ", D);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.numel() == T * half && sin.numel() == T * half,
+              "qkv_attention_rows: cos / sin [T, 1, D/2] float32, contiguous");
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.numel() == T, "qkv_attention_rows: one slot per row");
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  at::Tensor query = at::empty({T, H, D}, qkv.options());
+  const float *src = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  float* qp = query.data_ptr<float>();
+  float* kc = kv_cache.data_ptr<float>();
+  float* vc = kc + num_slots * Hkv * D;
+  const int64_t row_stride = qkv.stride(0);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < num_slots, "qkv_attention_rows: slot ", sl[t], " outside the cache");
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *c = cp + t * half, *s = sp + t * half, *row = src + t * row_stride;
+      const int64_t slot = sl[t];
+      for (int64_t h = 0; h < H + Hkv; ++h) {  // queries, then keys (straight into the cache)
+        const float* x = row + h * D;
+        float* o = h < H ? qp + (t * H + h) * D : kc + (slot * Hkv + h - H) * D;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          o[i] = x[i] * c[i] - x[half + i] * s[i];
+          o[half + i] = x[half + i] * c[i] + x[i] * s[i];
+        }
+      }
+      std::memcpy(vc + slot * Hkv * D, row + (H + Hkv) * D, sizeof(float) * Hkv * D);
+    }
+  });
+  return attention_rows(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, tree_base, tree_mask);
+}
+
 TORCH_LIBRARY(specdec_attention_rows, m) {
   m.def("attention_rows(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, float scale, Tensor? tree_base, Tensor? tree_mask) -> Tensor", &attention_rows);
+  m.def("qkv_attention_rows(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int num_heads, "
+        "Tensor? tree_base, Tensor? tree_mask) -> Tensor", &qkv_attention_rows);
 }

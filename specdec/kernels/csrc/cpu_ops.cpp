@@ -5,10 +5,14 @@
 //   add_rms_norm(x, residual, weight, eps) -> (rms_norm(x + residual) * weight, x + residual)
 //   rms_norm(x, weight, eps)
 //   rotate(x [T, H, D] (rows may be strided), cos [T, 1, D/2], sin) -> rotate-half rotary
+//   silu_mul(x [..., 2I]) -> silu(x[..., :I]) * x[..., I:] (the gated MLP's activation)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -24,6 +28,40 @@ inline float row_inv_rms(const float* v, int64_t n, float eps) {
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) sum += v[i] * v[i];
   return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+}
+
+#ifdef __AVX512F__
+// exp(x), x clamped to [-87, 88]: 2^k * P(r), x = k ln2 + r (Cephes expf coefficients)
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, k);
+}
+#endif
+
+// o[i] = silu(g[i]) * u[i]; the same per-element arithmetic whatever n or the element's place
+void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
+#ifdef __AVX512F__
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 gv = _mm512_maskz_loadu_ps(m, g + i), uv = _mm512_maskz_loadu_ps(m, u + i);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), uv));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+#endif
 }
 
 }  // namespace
@@ -102,8 +140,30 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+// x [..., 2I] (gate, then up) -> silu(gate) * up [..., I]
+at::Tensor silu_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  const int64_t n = x.size(-1) / 2;
+  TORCH_CHECK(x.size(-1) == 2 * n, "cpu_ops.silu_mul: an even last dim (gate, up)");
+  const at::Tensor xc = x.reshape({-1, 2 * n}).contiguous();
+  const int64_t rows = xc.size(0);
+  at::Tensor out = at::empty({rows, n}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = xp + r * 2 * n;
+      silu_mul_row(g, g + n, op + r * n, n);
+    }
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  return out.view(sizes);
+}
+
 TORCH_LIBRARY(specdec_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> Tensor[]", &add_rms_norm);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("rotate(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rotate);
+  m.def("silu_mul(Tensor x) -> Tensor", &silu_mul);
 }

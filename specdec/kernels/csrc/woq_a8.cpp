@@ -305,7 +305,7 @@ void check_shapes(const at::Tensor& weight, const at::Tensor& scales, const at::
 
 at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                      const at::Tensor& offsets, const at::Tensor& scales_sup, const at::Tensor& offsets_sup,
-                     int64_t K) {
+                     int64_t K, const c10::optional<at::Tensor>& bias) {
   const bool int4 = weight.scalar_type() == at::kByte;
   TORCH_CHECK(int4 || weight.scalar_type() == at::kChar, "woq a8: int8 or packed uint8 int4 weight");
   check_shapes(weight, scales, offsets, scales_sup, offsets_sup, K, int4);
@@ -330,6 +330,15 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
                chunks.data(), static_cast<int64_t>(chunks.size()), K, G, L, N, two ? scales_sup.size(1) : 0,
                y.data_ptr<float>()};
   int4 ? run_all<true>(a, M, sf) : run_all<false>(a, M, sf);
+  if (bias.has_value() && bias->defined()) {  // y += bias, row by row
+    TORCH_CHECK(bias->numel() == N, "woq a8: bias has ", bias->numel(), " elements, the output ", N);
+    const at::Tensor b = bias->to(at::kFloat).contiguous();
+    const float* bp = b.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+#pragma omp simd
+      for (int64_t n = 0; n < N; ++n) yp[m * N + n] += bp[n];
+  }
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   return y.view(sizes).to(x.scalar_type());
@@ -354,6 +363,6 @@ std::vector<at::Tensor> a8_quantize(const at::Tensor& x, int64_t G, bool int4) {
 
 TORCH_LIBRARY(A8_LIB, m) {
   m.def("a8_linear(Tensor x, Tensor weight, Tensor scales, Tensor offsets, Tensor scales_sup, Tensor offsets_sup, "
-        "int K) -> Tensor", &a8_linear);
+        "int K, Tensor? bias=None) -> Tensor", &a8_linear);
   m.def("a8_quantize(Tensor x, int G, bool int4) -> Tensor[]", &a8_quantize);
 }

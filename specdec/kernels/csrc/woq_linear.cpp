@@ -156,6 +156,19 @@ at::Tensor as_float_rows(const at::Tensor& x, int64_t K) {
   return x.reshape({-1, K}).to(at::kFloat).contiguous();
 }
 
+// y [M, N] += bias [N] (float32), row by row
+void add_bias(at::Tensor& y, const c10::optional<at::Tensor>& bias) {
+  if (!bias.has_value() || !bias->defined()) return;
+  const int64_t M = y.size(0), N = y.size(1);
+  TORCH_CHECK(bias->numel() == N, "linear: bias has ", bias->numel(), " elements, the output ", N);
+  const at::Tensor b = bias->to(at::kFloat).contiguous();
+  const float* bp = b.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+#pragma omp simd
+    for (int64_t n = 0; n < N; ++n) yp[m * N + n] += bp[n];
+}
+
 at::Tensor finish(const at::Tensor& y, const at::Tensor& x, int64_t N) {
   auto sizes = x.sizes().vec();
   sizes.back() = N;
@@ -212,7 +225,7 @@ at::Tensor bf16_order_x(const at::Tensor& xf, int64_t K) {
   return xf.view({xf.size(0), K / 32, 16, 2}).transpose(2, 3).contiguous().view({xf.size(0), K});
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight) {
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.dtype() == at::kBFloat16 && weight.is_contiguous(), "bf16 linear: contiguous bf16 [N, K] weight");
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(K % 32 == 0, "bf16 linear: K must be a multiple of 32");
@@ -225,11 +238,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight) {
   blocks_loop<kNB>(M, N, [&](auto nb, auto mb, int64_t n0, int64_t m0) {
     bf16_tile<decltype(nb)::value, decltype(mb)::value>(xp + m0 * K, K, wp + n0 * K, K, yp + m0 * N + n0, N);
   });
+  add_bias(y, bias);
   return finish(y, x, N);
 }
 
 TORCH_LIBRARY(specdec_woq, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor", &int8_linear);
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets) -> Tensor", &int4_linear);
-  m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor", &bf16_linear);
+  m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", &bf16_linear);
 }
