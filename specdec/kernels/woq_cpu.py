@@ -69,13 +69,12 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ops = extension() if x.device.type == "cpu" and k % 32 == 0 and rows <= BF16_KERNEL_MAX_ROWS else None
     if ops is not None:
         return ops.bf16_linear(x, weight, bias)
-    out = _bf16_linear_unfused(x, weight)
+    out = _bf16_linear_unfused(x, weight, rows)
     return out if bias is None else out + bias
 
 
-def _bf16_linear_unfused(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _bf16_linear_unfused(x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
     k = weight.shape[1]
-    rows = x.numel() // max(k, 1)
     if x.device.type != "cpu":
         return F.linear(x.float(), weight.float()).to(x.dtype)
     # widened a slice of outputs at a time into one reused buffer (no fresh pages per call,

@@ -16,28 +16,15 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "common.h"
+
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 namespace {
 
-// exp(x) for x <= 0: 2^k * P(r), x = k ln2 + r, |r| <= ln2 / 2 (Cephes expf coefficients).
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, k);
-}
+using specdec_cpu_common::exp_ps;  // x <= 0 here
 
 struct Args {
   const float* q;  // [T, H, D]
@@ -208,13 +195,8 @@ at::Tensor qkv_attention_rows(const at::Tensor& qkv, const at::Tensor& cos, cons
       const float *c = cp + t * half, *s = sp + t * half, *row = src + t * row_stride;
       const int64_t slot = sl[t];
       for (int64_t h = 0; h < H + Hkv; ++h) {  // queries, then keys (straight into the cache)
-        const float* x = row + h * D;
-        float* o = h < H ? qp + (t * H + h) * D : kc + (slot * Hkv + h - H) * D;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          o[i] = x[i] * c[i] - x[half + i] * s[i];
-          o[half + i] = x[half + i] * c[i] + x[i] * s[i];
-        }
+        specdec_cpu_common::rotate_half(row + h * D, c, s, h < H ? qp + (t * H + h) * D : kc + (slot * Hkv + h - H) * D,
+                                        half);
       }
       std::memcpy(vc + slot * Hkv * D, row + (H + Hkv) * D, sizeof(float) * Hkv * D);
     }

@@ -9,10 +9,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "common.h"
+
 #include <cmath>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -30,25 +29,6 @@ inline float row_inv_rms(const float* v, int64_t n, float eps) {
   return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
 }
 
-#ifdef __AVX512F__
-// exp(x), x clamped to [-87, 88]: 2^k * P(r), x = k ln2 + r (Cephes expf coefficients)
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, k);
-}
-#endif
-
 // o[i] = silu(g[i]) * u[i]; the same per-element arithmetic whatever n or the element's place
 void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
 #ifdef __AVX512F__
@@ -56,7 +36,7 @@ void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
     const __m512 gv = _mm512_maskz_loadu_ps(m, g + i), uv = _mm512_maskz_loadu_ps(m, u + i);
-    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    const __m512 e = specdec_cpu_common::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
     _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), uv));
   }
 #else
@@ -128,12 +108,7 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
       const float *c = cp + t * half, *s = sp + t * half;
       for (int64_t h = 0; h < H; ++h) {
         const float* a = xp + t * st + h * sh;
-        float* o = op + (t * H + h) * D;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          o[i] = a[i] * c[i] - a[half + i] * s[i];
-          o[half + i] = a[half + i] * c[i] + a[i] * s[i];
-        }
+        specdec_cpu_common::rotate_half(a, c, s, op + (t * H + h) * D, half);
       }
     }
   });

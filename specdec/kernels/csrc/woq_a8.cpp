@@ -22,6 +22,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "common.h"
+
 #include <vector>
 
 namespace {
@@ -330,15 +332,7 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
                chunks.data(), static_cast<int64_t>(chunks.size()), K, G, L, N, two ? scales_sup.size(1) : 0,
                y.data_ptr<float>()};
   int4 ? run_all<true>(a, M, sf) : run_all<false>(a, M, sf);
-  if (bias.has_value() && bias->defined()) {  // y += bias, row by row
-    TORCH_CHECK(bias->numel() == N, "woq a8: bias has ", bias->numel(), " elements, the output ", N);
-    const at::Tensor b = bias->to(at::kFloat).contiguous();
-    const float* bp = b.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m)
-#pragma omp simd
-      for (int64_t n = 0; n < N; ++n) yp[m * N + n] += bp[n];
-  }
+  specdec_cpu_common::add_bias(y, bias);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   return y.view(sizes).to(x.scalar_type());

@@ -13,6 +13,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "common.h"
+
 namespace {
 
 constexpr int kNB = 4;  // outputs per block: independent FMA chains at M = 1
@@ -156,19 +158,6 @@ at::Tensor as_float_rows(const at::Tensor& x, int64_t K) {
   return x.reshape({-1, K}).to(at::kFloat).contiguous();
 }
 
-// y [M, N] += bias [N] (float32), row by row
-void add_bias(at::Tensor& y, const c10::optional<at::Tensor>& bias) {
-  if (!bias.has_value() || !bias->defined()) return;
-  const int64_t M = y.size(0), N = y.size(1);
-  TORCH_CHECK(bias->numel() == N, "linear: bias has ", bias->numel(), " elements, the output ", N);
-  const at::Tensor b = bias->to(at::kFloat).contiguous();
-  const float* bp = b.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-#pragma omp simd
-    for (int64_t n = 0; n < N; ++n) yp[m * N + n] += bp[n];
-}
-
 at::Tensor finish(const at::Tensor& y, const at::Tensor& x, int64_t N) {
   auto sizes = x.sizes().vec();
   sizes.back() = N;
@@ -238,7 +227,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   blocks_loop<kNB>(M, N, [&](auto nb, auto mb, int64_t n0, int64_t m0) {
     bf16_tile<decltype(nb)::value, decltype(mb)::value>(xp + m0 * K, K, wp + n0 * K, K, yp + m0 * N + n0, N);
   });
-  add_bias(y, bias);
+  specdec_cpu_common::add_bias(y, bias);
   return finish(y, x, N);
 }
 
