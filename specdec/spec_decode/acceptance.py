@@ -13,7 +13,13 @@ class AcceptanceEstimator:
     estimate is the Beta posterior mean with counts decayed by ``decay`` per update (memory
     ~ 1/(1 - decay) steps) and a prior of ``prior_strength`` pseudo-trials at the pooled
     estimate of all requests (itself starting at ``prior_acceptance``). Per position j the
-    same counts give the conditional P(accept j | accepted 1..j-1)."""
+    same counts give the conditional P(accept j | accepted 1..j-1).
+
+    The pooled prior of position j > 1 is the pooled estimate of position j - 1, not the flat
+    ``prior_acceptance``: a position that has rarely been tried is assumed to be accepted like
+    the one before it. With a flat prior, a policy that settled on K = 2 never drafted deep
+    enough to learn that positions 3.. are accepted as often (on code, more often): their
+    estimates stayed at the prior and deeper drafts never looked worth their cost."""
 
     def __init__(self, max_positions: int = 16, prior_acceptance: float = 0.5, prior_strength: float = 2.0,
                  decay: float = 0.95, pooled_decay: float = 0.999):
@@ -50,8 +56,13 @@ class AcceptanceEstimator:
         self._pooled = self._pooled * self.pooled_decay + outcome
 
     def _pooled_posterior(self) -> np.ndarray:
-        return (self._pooled[:, 0] + self.prior_strength * self.prior_acceptance) / (
-            self._pooled[:, 1] + self.prior_strength)
+        successes, trials = self._pooled[:, 0], self._pooled[:, 1]
+        posterior = np.empty(self.max_positions + 1)
+        prior = self.prior_acceptance
+        for row in range(self.max_positions + 1):  # row 0: scalar; rows 1..: positions, each the next's prior
+            posterior[row] = (successes[row] + self.prior_strength * prior) / (trials[row] + self.prior_strength)
+            prior = posterior[row] if row else self.prior_acceptance
+        return posterior
 
     def _posterior(self, request_id: str) -> np.ndarray:
         pooled = self._pooled_posterior()
@@ -75,12 +86,29 @@ class AcceptanceEstimator:
         pooled = self._pooled_posterior()
         empty = np.zeros_like(self._pooled)
         counts = np.stack([self._requests.get(r, empty) for r in request_ids])  # [B, P + 1, 2]
-        posterior = (counts[:, :, 0] + self.prior_strength * pooled) / (counts[:, :, 1] + self.prior_strength)
-        return posterior[:, 1:]
+        scalar = (counts[:, 0, 0] + self.prior_strength * pooled[0]) / (counts[:, 0, 1] + self.prior_strength)  # [B]
+        return _shift_log_odds(pooled[1:], _log_odds(scalar) - _log_odds(pooled[0]))
 
     def position_acceptance(self, request_id: str) -> list[float]:
-        """[max_positions] conditional acceptance of each draft position."""
-        return self._posterior(request_id)[1:].tolist()
+        """[max_positions] conditional acceptance of each draft position: the pooled profile over
+        positions, shifted in log-odds by how much this request's own acceptance differs from the
+        pooled one. A request's few recent steps fix one number well; per position they are too
+        few (a position deep in the draft is tried only after every earlier one was accepted), and
+        the planner, maximising over depths, picks whichever deep estimate noise made high."""
+        return self.position_acceptances([request_id])[0].tolist()
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+
+
+_EPS = 1e-6
+
+
+def _log_odds(p: np.ndarray) -> np.ndarray:
+    p = np.clip(p, _EPS, 1.0 - _EPS)
+    return np.log(p) - np.log1p(-p)
+
+
+def _shift_log_odds(profile: np.ndarray, shift: np.ndarray) -> np.ndarray:
+    """[B, P]: sigmoid(logit(profile[P]) + shift[B])."""
+    return 1.0 / (1.0 + np.exp(-(_log_odds(profile)[None, :] + shift[:, None])))

@@ -304,6 +304,26 @@ def test_throughput_guard_backs_off_when_speculating_steps_are_slower():
     assert sum(guard.allow(4) for _ in range(16)) == 14
 
 
+def test_throughput_guard_does_not_call_noise_a_loss():
+    """At batch 1 a speculating step emits 1..K+1 tokens: a few unlucky steps of a good draft
+    average below plain decoding without being a loss. The same mean with no spread is one."""
+    from specdec.spec_decode.throughput_guard import ThroughputGuard
+
+    noisy, steady = ThroughputGuard(min_steps=6), ThroughputGuard(min_steps=6)
+    for guard in (noisy, steady):
+        for _ in range(8):
+            guard.observe(1, speculated=False, tokens=1, seconds=0.1)  # 10 tokens/s
+    for tokens in (1, 1, 6, 1, 2, 1):  # mean 2 tokens per 0.21 s: 9.5 tokens/s
+        noisy.observe(1, speculated=True, tokens=tokens, seconds=0.21)
+        steady.observe(1, speculated=True, tokens=2, seconds=0.21)
+    assert noisy.rate(1, "spec") == pytest.approx(steady.rate(1, "spec"))
+    assert noisy.rate(1, "spec") < noisy.rate(1, "plain")
+    assert sum(noisy.allow(1) for _ in range(8)) == 8  # not losing beyond the noise: speculation goes on
+    assert sum(steady.allow(1) for _ in range(8)) == 0  # a loss every step: backs off
+    with pytest.raises(ValueError, match="z="):
+        ThroughputGuard(z=-1.0)
+
+
 def test_throughput_guard_forgets_speculating_evidence_in_proportion_to_new_requests():
     from specdec.spec_decode.throughput_guard import ThroughputGuard
 
@@ -330,6 +350,32 @@ def test_throughput_guard_ignores_empty_steps_and_rejects_bad_settings():
     assert guard.rate(2, "spec") is None
     with pytest.raises(ValueError, match="probe_every"):
         ThroughputGuard(probe_every=1)
+
+
+def test_an_untried_position_is_assumed_to_be_accepted_like_the_one_before_it():
+    """Drafts that always stop at K = 2 say nothing about position 3: its estimate is position 2's,
+    not the flat prior (with the flat prior, "auto" on a strong draft settled on K = 1..2 for good)."""
+    estimator = AcceptanceEstimator(prior_acceptance=0.5)
+    for _ in range(200):
+        estimator.update("r", 2, 2)  # both drafts accepted, every step
+    positions = estimator.position_acceptance("r")
+    assert positions[0] > 0.95 and positions[1] > 0.95
+    assert positions[2] == pytest.approx(positions[1], abs=0.01) and positions[7] > 0.9
+    assert estimator.position_acceptance("unseen")[2] > 0.95  # the pooled profile carries it too
+
+
+def test_a_request_shifts_the_pooled_position_profile_by_its_own_acceptance():
+    estimator = AcceptanceEstimator(decay=0.95)
+    rng = random.Random(5)
+    for _ in range(400):  # the profile: bursty (position 1 a coin flip, then nearly always accepted)
+        estimator.update("old", 4, 4 if rng.random() < 0.5 else 0)
+    for _ in range(60):
+        estimator.update("good", 4, 4 if rng.random() < 0.9 else 0)
+        estimator.update("poor", 4, 4 if rng.random() < 0.1 else 0)
+    pooled, good, poor = (np.array(estimator.position_acceptance(r)[:4]) for r in ("new", "good", "poor"))
+    assert (good > pooled).all() and (poor < pooled).all()
+    assert good[0] > 0.7 and poor[0] < 0.35
+    assert min(good[1:]) > 0.95 and min(poor[1:]) > 0.7  # the shape stays the pooled one: bursty
 
 
 def test_vectorised_position_acceptances_match_the_per_request_ones():
