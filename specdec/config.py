@@ -37,6 +37,11 @@ class SpeculativeConfig:
     tree_nodes: int | None = None  # default: 3 * K (3 * max_num_speculative_tokens for "auto")
     # tensor parallelism: 1 runs a whole draft model on every rank; the target's size shards it too
     draft_tensor_parallel_size: int = 1
+    # method "draft_model": the draft's LM head keeps only this many of the most frequent tokens
+    # (``specdec.spec_decode.draft_vocab``; frequencies from ``draft_vocab``, a file of token ids most
+    # frequent first, or a built-in table); given alone, ``draft_vocab`` keeps every token it lists
+    draft_vocab_size: int | None = None
+    draft_vocab: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -53,6 +58,14 @@ class SpeculativeConfig:
                 )
         elif not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPEC_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be in 1..{MAX_SPEC_TOKENS} or 'auto', got {k!r}")
+        if (self.draft_vocab_size is not None or self.draft_vocab is not None) and (
+                self.method != "draft_model" or self.draft_tensor_parallel_size != 1):
+            raise ValueError("speculative_config.draft_vocab_size / draft_vocab apply to method 'draft_model' with "
+                             f"draft_tensor_parallel_size 1, got method {self.method!r}, draft_tensor_parallel_size "
+                             f"{self.draft_tensor_parallel_size} (EAGLE heads carry their own draft vocabulary)")
+        if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int)
+                                                  or isinstance(self.draft_vocab_size, bool)):
+            raise ValueError(f"speculative_config.draft_vocab_size must be an int, got {self.draft_vocab_size!r}")
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"speculative_config.quantization must be one of {QUANTIZATION_METHODS}, "
                              f"got {self.quantization!r}")

@@ -21,7 +21,7 @@ class AcceptanceEstimator:
     enough to learn that positions 3.. are accepted as often (on code, more often): their
     estimates stayed at the prior and deeper drafts never looked worth their cost."""
 
-    def __init__(self, max_positions: int = 16, prior_acceptance: float = 0.5, prior_strength: float = 2.0,
+    def __init__(self, max_positions: int = 16, prior_acceptance: float = 0.5, prior_strength: float = 8.0,
                  decay: float = 0.95, pooled_decay: float = 0.999):
         if not isinstance(max_positions, int) or max_positions < 1:
             raise ValueError(f"max_positions must be an int >= 1, got {max_positions!r}")

@@ -38,9 +38,11 @@ class DraftModelProposer(Proposer):
     row_shift = 0  # draft s is fed at position num_tokens + s - 1 + row_shift (EAGLE: one earlier)
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int,
-                 tree_topk: int = 1, tree_depth: int = 0, tree_nodes: int = 0):
+                 tree_topk: int = 1, tree_depth: int = 0, tree_nodes: int = 0, draft_vocab: torch.Tensor | None = None):
         self.runner = runner
         self.vocab_size = target_vocab_size
+        # [n] target ids of the draft's logit columns when its LM head keeps only those (draft_vocab.py)
+        self.draft_vocab = None if draft_vocab is None else draft_vocab.to(runner.device)
         self.tree_topk = tree_topk
         self.tree_depth = tree_depth
         self.tree_nodes = tree_nodes
@@ -48,6 +50,9 @@ class DraftModelProposer(Proposer):
     def _forward(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits [N, target vocab], the pass's hidden states [T, H])."""
         logits, hidden = self.runner.forward_with_hidden(batch)
+        if self.draft_vocab is not None:  # -inf outside the draft vocabulary: never drafted, q = 0 there
+            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            return full.index_copy_(1, self.draft_vocab, logits), hidden
         v = logits.shape[-1]
         if v > self.vocab_size:  # draft vocab padded beyond the target's
             return logits[:, : self.vocab_size], hidden

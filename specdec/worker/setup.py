@@ -54,22 +54,24 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
-    dtype = resolve_dtype(cfg.dtype, device)
+    dtype = _compute_dtype(cfg, device)
     attn_backend = _attention_backend(cfg, device, dtype)
     model = shared_model if shared_model is not None else load_model(model_path, dtype, device, attn_backend,
                                                                      model_config, tp=tp)
     spec = cfg.speculative_config
     max_k = spec.num_spec_slots if spec else 0
     bytes_per_block = ModelRunner.kv_bytes_per_block(model_config, cfg.block_size, dtype)
-    draft_model = draft_dtype = None
+    draft_model = draft_dtype = draft_vocab = None
     if spec is not None and spec.method == "draft_model":
         draft_path = resolve_model_path(spec.model)
         draft_cfg = load_config(draft_path)
         draft_dtype = dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, device)
         draft_tp = tp if spec.draft_tensor_parallel_size > 1 else None
-        draft_model = prepare_for_inference(
-            load_model(draft_path, draft_dtype, device, attn_backend, draft_cfg, tp=draft_tp), spec.quantization, device,
-            _bf16_weights(cfg.dtype if spec.dtype == "auto" else spec.dtype, draft_dtype, device))
+        draft_model = load_model(draft_path, draft_dtype, device, attn_backend, draft_cfg, tp=draft_tp)
+        if spec.draft_vocab_size is not None or spec.draft_vocab is not None:
+            draft_vocab = _restrict_draft_vocab(spec, draft_model, draft_path, min(draft_cfg.vocab_size, vocab_size))
+        draft_model = prepare_for_inference(draft_model, spec.quantization, device, _bf16_weights(
+            cfg.dtype if spec.dtype == "auto" else spec.dtype, draft_dtype, device))
         bytes_per_block += ModelRunner.kv_bytes_per_block(draft_cfg, cfg.block_size, draft_dtype)
     eagle = spec is not None and spec.method in ("eagle", "eagle3")
     aux_layers: tuple[int, ...] = ()
@@ -92,9 +94,30 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
     # collectives are not captured in graphs yet: tensor-parallel ranks run eagerly
     if device.type == "cuda" and attn_backend.name == "triton" and not cfg.enforce_eager and not eagle and tp is None:
         _enable_graphs(cfg, runner, draft_runner, max_model_len, spec)
-    proposer = build_proposer(spec, draft_runner, vocab_size) if spec else None
+    proposer = build_proposer(spec, draft_runner, vocab_size, draft_vocab) if spec else None
     return WorkerParts(device, dtype, runner, draft_runner, proposer, ChainVerifier(_rejection_sampler(device)),
                        TreeVerifier())
+
+
+def _restrict_draft_vocab(spec, draft_model, draft_path: str, vocab_size: int) -> torch.Tensor:
+    """The draft's LM head cut to its draft vocabulary (``spec_decode/draft_vocab.py``), chosen among the
+    ids the draft and the target share: the kept ids."""
+    from specdec.engine.builder import load_tokenizer
+    from specdec.spec_decode.draft_vocab import draft_vocabulary, restrict_lm_head
+
+    ids = draft_vocabulary(load_tokenizer(draft_path), vocab_size, spec.draft_vocab_size, spec.draft_vocab)
+    restrict_lm_head(draft_model, ids)
+    return ids
+
+
+def _compute_dtype(cfg: EngineConfig, device) -> torch.dtype:
+    """``dtype="auto"`` with int8 activations (w8a8 / w4a8) on CPU is float32 even where the CPU
+    computes in bf16: their losslessness rests on every op computing a row the same whatever the
+    batch, which the row-by-row attention kernel gives in float32 only (and float32 activations
+    are what the kernel quantizes anyway)."""
+    if cfg.dtype == "auto" and device.type == "cpu" and cfg.quantization in ROW_CONSISTENT_QUANTIZATIONS:
+        return torch.float32
+    return resolve_dtype(cfg.dtype, device)
 
 
 def _bf16_weights(requested, dtype: torch.dtype, device) -> str | None:
@@ -204,13 +227,13 @@ def _tree_args(spec) -> dict:
     return {"tree_topk": spec.tree_topk, "tree_depth": spec.max_k, "tree_nodes": spec.num_tree_nodes}
 
 
-def build_proposer(spec, draft_runner, vocab_size):
+def build_proposer(spec, draft_runner, vocab_size, draft_vocab=None):
     from specdec.spec_decode.proposer import TokenListProposer
 
     if spec.method == "draft_model":
         from specdec.spec_decode.draft_model import DraftModelProposer
 
-        return DraftModelProposer(draft_runner, vocab_size, **_tree_args(spec))
+        return DraftModelProposer(draft_runner, vocab_size, **_tree_args(spec), draft_vocab=draft_vocab)
     if spec.method == "eagle":
         from specdec.spec_decode.eagle import EagleProposer
 

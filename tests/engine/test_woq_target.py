@@ -2,6 +2,7 @@
 target (greedy, float32: speculative output equals the same engine's plain output), the draft can
 be quantized too, and the fast CPU kernel decodes the same tokens as the pure-torch reference."""
 import pytest
+import torch
 
 from specdec import LLM, SamplingParams
 from specdec.kernels import woq_cpu
@@ -80,3 +81,20 @@ def test_int8_activation_target_with_speculation_equals_it_without(wide_pair, pr
     assert llm.get_metrics()["num_draft_tokens"] > 0
     if spec["method"] == "draft_model":
         assert llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+def test_int8_activations_compute_in_float32_under_auto_dtype_on_a_bf16_cpu(wide_pair, prompts, monkeypatch):
+    """Where "auto" means bf16 (avx512_bf16 / AMX), w4a8 still runs float32 activations and the
+    row-by-row attention, the ops its losslessness rests on."""
+    from specdec.worker import device
+
+    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: True)
+    target, draft = wide_pair
+    chosen = prompts[:3]
+    engine = dict(ENGINE, dtype="auto")
+    assert LLM(model=target, **engine).engine.dtype == torch.bfloat16  # the rule is w4a8's alone
+    llm = LLM(model=target, **engine, quantization="w4a8", speculative_config={
+        "method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+    assert llm.engine.dtype == torch.float32
+    assert llm.engine.executor.driver_worker.runner.model.layers[0].self_attn.backend.name == "rows"
+    assert greedy_tokens(llm, chosen) == greedy_tokens(llm, chosen, use_speculation=False)

@@ -152,7 +152,8 @@ def test_estimator_tracks_a_change_and_uses_the_pooled_prior():
     assert estimator.acceptance("r") > 0.8
     for _ in range(150):
         estimator.update("r", 6, accept_stream(rng, 0.3, 6))
-    assert estimator.acceptance("r") == pytest.approx(0.3, abs=0.1)
+    # ~20 effective steps of its own against 8 pseudo-trials of the pooled estimate (~0.6)
+    assert 0.25 < estimator.acceptance("r") < 0.45
     assert 0.3 < estimator.acceptance("new") < 0.9  # unseen request: pooled estimate
     estimator.forget("r")
     assert estimator.acceptance("r") == estimator.acceptance("new")
@@ -299,9 +300,14 @@ def test_throughput_guard_backs_off_when_speculating_steps_are_slower():
     assert guard.allow(16)
     # drafts start paying: the spec rate recovers past the plain one and speculation resumes
     for _ in range(30):
-        guard.observe(4, speculated=True, tokens=12, seconds=0.012)
+        guard.observe(4, speculated=True, tokens=6, seconds=0.011)  # 545 tokens/s: ahead, not by far
     assert guard.rate(4, "spec") > guard.rate(4, "plain")
-    assert sum(guard.allow(4) for _ in range(16)) == 14
+    guard._steps.clear()
+    assert sum(guard.allow(4) for _ in range(64)) == 64 - 8  # a plain probe every 8th step
+    for _ in range(30):
+        guard.observe(4, speculated=True, tokens=12, seconds=0.012)  # 2x plain: the plain rate is checked rarely
+    guard._steps.clear()
+    assert sum(guard.allow(4) for _ in range(64)) == 64 - 1
 
 
 def test_throughput_guard_does_not_call_noise_a_loss():
@@ -374,7 +380,7 @@ def test_a_request_shifts_the_pooled_position_profile_by_its_own_acceptance():
         estimator.update("poor", 4, 4 if rng.random() < 0.1 else 0)
     pooled, good, poor = (np.array(estimator.position_acceptance(r)[:4]) for r in ("new", "good", "poor"))
     assert (good > pooled).all() and (poor < pooled).all()
-    assert good[0] > 0.7 and poor[0] < 0.35
+    assert good[0] > 0.7 and poor[0] < 0.4
     assert min(good[1:]) > 0.95 and min(poor[1:]) > 0.7  # the shape stays the pooled one: bursty
 
 
