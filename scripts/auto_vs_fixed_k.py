@@ -24,6 +24,8 @@ parser.add_argument("--draft-quantization", default=None)
 parser.add_argument("--ks", type=int, nargs="+", default=[4, 5])
 parser.add_argument("--max-k", type=int, default=5, help="auto's max_num_speculative_tokens")
 parser.add_argument("--plain", action="store_true", help="also a no-speculation engine")
+parser.add_argument("--draft-vocab-sizes", type=int, nargs="*", default=[],
+                    help="also the first fixed K with the draft's LM head cut to each size (draft_vocab_size)")
 parser.add_argument("--output-len", type=int, default=64)
 parser.add_argument("--num-prompts", type=int, default=8)
 parser.add_argument("--rounds", type=int, default=3)
@@ -44,6 +46,9 @@ for k in args.ks[1:]:
     engines[f"K={k}"] = LLM(model=args.target, share_weights_with=first, **common, speculative_config=draft(k))
 engines["auto"] = LLM(model=args.target, share_weights_with=first, **common,
                       speculative_config=draft("auto", max_num_speculative_tokens=args.max_k))
+for n in args.draft_vocab_sizes:
+    engines[f"K={args.ks[0]} vocab {n}"] = LLM(model=args.target, share_weights_with=first, **common,
+                                               speculative_config=draft(args.ks[0], draft_vocab_size=n))
 if args.plain:
     engines["plain"] = LLM(model=args.target, share_weights_with=first, **common)
 tok = first.tokenizer
@@ -65,7 +70,7 @@ for r in range(-1, args.rounds):
             rates[n].append(toks / (time.perf_counter() - t))
     if r >= 0:
         print("round", r, "copy GB/s", round(bandwidths[-1], 1), {n: round(rates[n][-1], 2) for n in names}, flush=True)
-fixed = [n for n in names if n.startswith("K=")]
+fixed = [n for n in names if n.startswith("K=") and "vocab" not in n]
 summary = {"args": vars(args), "copy_gb_per_s": bandwidths, "engines": {}}
 for n in names:
     m = engines[n].get_metrics()

@@ -173,7 +173,10 @@ class SpecController:
             if self._num_plain_steps % self.observe_plain_every:
                 return
         self.cost.observe("target", num_rows, result.target_seconds)
-        if num_drafting and self.draft_is_model:
+        # a first pass that caught up on a whole prompt (the step after a prefill) costs many passes:
+        # read as the price of every pass it would say drafting never pays, and with nothing drafted
+        # no later step would correct it (measured: "auto" on a w4a8 pair decoded plain for good)
+        if num_drafting and self.draft_is_model and result.num_draft_first_pass_rows <= 2 * num_drafting:
             steps = max(result.num_draft_positions)  # draft passes: K, or a tree's depth
             self.cost.observe("draft", num_drafting, result.draft_seconds / steps)
 

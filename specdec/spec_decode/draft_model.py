@@ -76,6 +76,7 @@ class DraftModelProposer(Proposer):
         )
         block_tables = [r.block_ids for r in reqs]
         batch = self._first_batch(reqs, block_tables)
+        first_pass_rows = len(batch.input_ids)
         probs_per_pass, tokens_per_pass = [], []
         constrained = any(r.grammar is not None for r in reqs)
         rows = list(range(len(reqs)))  # which requests are still drafting
@@ -107,7 +108,8 @@ class DraftModelProposer(Proposer):
             probs_per_pass.append((rows, q))
         self._finish(reqs, ks)
         end_drafting(reqs)
-        return DraftProposal(drafts, self._flat_probs(probs_per_pass, ks, active, len(requests), meta))
+        return DraftProposal(drafts, self._flat_probs(probs_per_pass, ks, active, len(requests), meta),
+                             num_first_pass_rows=first_pass_rows)
 
     # ---- token trees ----
     def _propose_tree(self, requests: list[CachedRequestState], active: list[int], slots: list[int],
@@ -119,6 +121,7 @@ class DraftModelProposer(Proposer):
         block_tables = [r.block_ids for r in reqs]
         topk = self.tree_topk
         batch = self._first_batch(reqs, block_tables)
+        first_pass_rows = len(batch.input_ids)
         logits, hidden = self._forward(batch)
         hidden = self._pass_hidden(batch, hidden)
         # per request: node tokens, parents, depths, scores; the node fed at each draft slot
@@ -175,7 +178,7 @@ class DraftModelProposer(Proposer):
         parents: list[list[int]] = [[] for _ in requests]
         for i, t, limit in zip(active, trees, limits):
             drafts[i], parents[i] = t.select(limit)
-        return DraftProposal(drafts, None, parents, expected)
+        return DraftProposal(drafts, None, parents, expected, first_pass_rows)
 
     def _pass_hidden(self, batch, hidden: torch.Tensor | None) -> torch.Tensor | None:
         """What the next pass needs from this one's drafting rows (EAGLE: predicted features)."""

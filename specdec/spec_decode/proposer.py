@@ -20,6 +20,9 @@ class DraftProposal:
     draft_parents: list[list[int]] | None = None
     # adaptive trees: the accepted tokens the draft's own probabilities predict for this step
     expected_accepted: float | None = None
+    # rows of the draft's first pass (its catch-up on tokens it has not seen: 1-2 per request in
+    # steady decoding, a whole prompt after a prefill); 0 for proposers without a model
+    num_first_pass_rows: int = 0
 
     @classmethod
     def empty(cls, num_requests: int) -> DraftProposal:
@@ -66,7 +69,7 @@ class DraftProposal:
         probs = self.draft_probs
         if probs is not None:
             probs = probs.index_select(0, torch.tensor(prob_rows, dtype=torch.int64, device=probs.device))
-        return DraftProposal(tokens, probs, parents, self.expected_accepted)
+        return DraftProposal(tokens, probs, parents, self.expected_accepted, self.num_first_pass_rows)
 
     def row_histories(self, i: int) -> list[list[int]]:
         """Request i's verification rows (1 + its drafts): the drafts before each scored position."""

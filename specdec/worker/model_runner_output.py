@@ -21,6 +21,7 @@ class ModelRunnerOutput:
     # per request: tokens its grammar forced after the target's decision (no target row scored them)
     num_forced_tokens: list[int] = field(default_factory=list)
     num_target_rows: int = 0  # rows the target forward ran
+    num_draft_first_pass_rows: int = 0  # rows of the draft's first (catch-up) pass
     expected_accepted: float | None = None  # adaptive trees: accepted drafts the draft's probabilities predict
     draft_seconds: float = 0.0
     target_seconds: float = 0.0

@@ -132,7 +132,7 @@ class Worker:
             request_ids=sched.request_ids, sampled_token_ids=[[] for _ in reqs], num_draft_tokens=proposal.num_draft_tokens,
             num_accepted_tokens=[0] * num_reqs, num_draft_positions=proposal.num_positions,
             logprobs=[None] * num_reqs, num_forced_tokens=[0] * num_reqs, num_target_rows=len(inputs.batch.input_ids),
-            expected_accepted=proposal.expected_accepted)
+            expected_accepted=proposal.expected_accepted, num_draft_first_pass_rows=proposal.num_first_pass_rows)
         num_kept = list(sched.num_scheduled_tokens)
         if verification is not None:
             verified = inputs.verified

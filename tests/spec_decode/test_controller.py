@@ -180,3 +180,21 @@ def test_auto_k_keeps_up_with_the_best_fixed_k(case, conditional, draft_s, floor
                    for s in seeds) / len(seeds) for k in range(9))
     auto = sorted(simulate_tokens_per_second(conditional, draft_s, target_s, row_s, seed=s) for s in seeds)
     assert auto[len(auto) // 2] >= floor * best, (case, [a / best for a in auto])
+
+
+def test_a_draft_pass_that_caught_up_on_a_prompt_is_not_priced_as_a_draft_pass():
+    """The step after a prefill: the draft's first pass ran over the whole prompt. Priced as one
+    pass of one row it made drafting look 10x dearer, "auto" then drafted nothing and never saw a
+    cheap pass again (measured on a w4a8 pair: plain decoding for 2,000 steps)."""
+    ctl = SpecController(max_k=4, adaptive=True, draft_is_model=True)
+    for n in (1, 2, 4, 8):
+        ctl.cost.set("target", n, 0.05)
+        ctl.cost.set("draft", n, 0.01)
+    caught_up = record(["r"], [2], [2])
+    caught_up.result.draft_seconds, caught_up.result.num_draft_first_pass_rows = 0.4, 60
+    ctl.observe(caught_up)
+    assert ctl.cost.cost("draft", 1) == pytest.approx(0.01)
+    steady = record(["r"], [2], [2])
+    steady.result.draft_seconds, steady.result.num_draft_first_pass_rows = 0.03, 2
+    ctl.observe(steady)
+    assert ctl.cost.cost("draft", 1) == pytest.approx(0.0125)  # (0.01 + 0.015) / 2: observed
