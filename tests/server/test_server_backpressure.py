@@ -1,5 +1,6 @@
 """Back-pressure and exposure on one server of their own (capacity 4, policy "wait" with one
-waiter allowed, a 1 s write timeout, a metrics key and an allowed-hosts list): a client that
+waiter allowed, a 0.25 s write timeout (a fast machine generates the 4 x 1,000 tokens within a second
+of the stall), a metrics key and an allowed-hosts list): a client that
 stops reading is aborted and frees its KV blocks and its slots; waiters are bounded and a
 stream's admission error is its status; keys and Host checks guard what they should."""
 from __future__ import annotations
@@ -19,7 +20,7 @@ METRICS_KEY = "metrics-key-9"
 @pytest.fixture(scope="module")
 def srv(tiny_model, tmp_path_factory):
     s = ServerProcess(tiny_model, ["--max-num-seqs", "4", "--max-queue", "0", "--queue-full-policy", "wait",
-                                   "--max-waiting", "1", "--write-timeout", "1", "--metrics-api-key", METRICS_KEY,
+                                   "--max-waiting", "1", "--write-timeout", "0.25", "--metrics-api-key", METRICS_KEY,
                                    "--allowed-hosts", "localhost,127.0.0.1", "--enable-docs", "--max-model-len", "1024"],
                       tmp_path_factory.mktemp("bp") / "server.log")
     s.metrics_headers = {"Authorization": f"Bearer {METRICS_KEY}"}
