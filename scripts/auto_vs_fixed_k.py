@@ -9,7 +9,9 @@ weights, engines rotated per round after an untimed warm-up round (the code prom
 import argparse
 import gc
 import json
+import platform
 import statistics
+import sys
 import time
 
 from specdec import LLM, SamplingParams
@@ -71,7 +73,11 @@ for r in range(-1, args.rounds):
     if r >= 0:
         print("round", r, "copy GB/s", round(bandwidths[-1], 1), {n: round(rates[n][-1], 2) for n in names}, flush=True)
 fixed = [n for n in names if n.startswith("K=") and "vocab" not in n]
-summary = {"args": vars(args), "copy_gb_per_s": bandwidths, "engines": {}}
+summary = {"kind": "auto_vs_fixed_k", "command": "python " + " ".join(sys.argv),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "machine": {"cpu": platform.processor() or platform.machine(), "torch_threads": 2,
+                       "bandwidth_gb_per_s": statistics.median(bandwidths)},
+           "args": vars(args), "copy_gb_per_s": bandwidths, "engines": {}}
 for n in names:
     m = engines[n].get_metrics()
     summary["engines"][n] = {"tokens_per_s_per_round": rates[n], "median": statistics.median(rates[n]),

@@ -239,6 +239,10 @@ def goals_table(results: list[tuple[Path, dict]]) -> str:
             continue
         for g in data.get("goals", []):
             add(name, f"peers: {g['goal']} (target {g['target']}x)", g.get("measured"), g["target"])
+    auto = by_name.get("auto_vs_fixed_k_w4a8")
+    if auto:
+        add("auto_vs_fixed_k_w4a8", '"auto" K within 3% of the best fixed K (Qwen2.5-Coder-1.5B Q4_K_M w4a8 + 0.5B '
+            'w4a8 draft, batch 1, median of per-round ratios)', auto.get("auto_over_best_fixed_median"), 0.97)
     default = by_name.get("default_pair_eval")
     if default:
         for key, shape in (("k5", "a K=5 chain"), ("k5_tree", "a depth-5 token tree")):

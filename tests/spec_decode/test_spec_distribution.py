@@ -15,7 +15,9 @@ rejected: the residual distribution max(0, p - q) does the work), 6000 with a no
 the target as draft (about 40% accepted), and 5000 at temperature 0.9 with top_k=6 /
 top_p=0.8; then token trees (top-3 children, 7 nodes): 6000 with the noisy draft at
 temperature 1 and 5000 with the unrelated draft under top_k / top_p; and a random EAGLE-3 head
-(20-token draft vocabulary): 5000 as a chain at temperature 1, 5000 as a tree under top_k / top_p. Each case has a negative control: the same counts tested against the target at a
+(20-token draft vocabulary): 5000 as a chain at temperature 1, 5000 as a tree under top_k / top_p; and
+the noisy draft with its LM head cut to 20 tokens (``draft_vocab_size``): 5000 at temperature 1.
+Each case has a negative control: the same counts tested against the target at a
 15% higher temperature must be rejected at the same level, which shows the test has the
 power to see a subtly wrong distribution. Deterministic: fixed per-request seeds.
 """
@@ -134,6 +136,7 @@ def sample_continuations(llm: LLM, prompt_ids: list[int], num_samples: int, seed
 
 
 TREE = dict(tree_topk=3, tree_nodes=7)  # token trees: children tried in turn against the residual
+DRAFT_VOCAB = dict(draft_vocab_size=20)  # the draft's LM head cut to 20 of the 30 tokens (q = 0 elsewhere)
 
 
 @pytest.mark.parametrize("draft, num_samples, sampling, seed_base, tree", [
@@ -144,11 +147,15 @@ TREE = dict(tree_topk=3, tree_nodes=7)  # token trees: children tried in turn ag
     ("unrelated", 5000, dict(temperature=0.9, top_k=6, top_p=0.8), 40_000, TREE),
     ("eagle3", 5000, dict(temperature=1.0), 50_000, {}),
     ("eagle3", 5000, dict(temperature=0.9, top_k=6, top_p=0.8), 60_000, TREE),
+    ("noisy", 5000, dict(temperature=1.0), 70_000, DRAFT_VOCAB),
 ], ids=["unrelated-draft", "noisy-draft", "noisy-draft-topk-topp", "noisy-tree", "unrelated-tree-topk-topp",
-        "eagle3-head", "eagle3-tree-topk-topp"])
+        "eagle3-head", "eagle3-tree-topk-topp", "noisy-draft-20-token-vocab"])
 def test_speculative_sampling_matches_the_exact_target_distribution(char_models, draft, num_samples, sampling,
-                                                                    seed_base, tree):
+                                                                    seed_base, tree, tmp_path):
     target, drafts = char_models
+    if "draft_vocab_size" in tree:  # tokens 10..29 kept: the drafts never propose 0..9
+        (tmp_path / "vocab.json").write_text(str(list(range(10, 30))))
+        tree = dict(tree, draft_vocab=str(tmp_path / "vocab.json"))
     llm = LLM(model=target, dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1000,
               max_num_batched_tokens=8192,
               speculative_config={"method": "eagle3" if draft == "eagle3" else "draft_model", "model": drafts[draft],
