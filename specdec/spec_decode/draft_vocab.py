@@ -42,11 +42,15 @@ def load_token_file(path: str, vocab_size: int) -> list[int]:
     file = Path(path).expanduser()
     if not file.is_file():
         raise ValueError(f"speculative_config.draft_vocab: no file {path!r}")
-    if file.suffix == ".json":
-        ids = json.loads(file.read_text())
-    else:
-        ids = torch.load(file, map_location="cpu", weights_only=True)
-        ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+    try:
+        if file.suffix == ".json":
+            ids = json.loads(file.read_text())
+        else:
+            ids = torch.load(file, map_location="cpu", weights_only=True)
+            ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one clear error
+        raise ValueError(f"speculative_config.draft_vocab: cannot read {path!r} as a JSON list or a saved "
+                         f"tensor of token ids ({type(e).__name__}: {e})") from None
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"speculative_config.draft_vocab: {path!r} must hold a list of token ids")
     bad = [i for i in ids if not 0 <= i < vocab_size]

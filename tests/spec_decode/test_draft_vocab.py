@@ -39,6 +39,10 @@ def test_a_token_file_ranks_first_and_bad_files_are_named(tmp_path, tiny_tokeniz
     listed.write_text(json.dumps([1, 512]))
     with pytest.raises(ValueError, match="draft_vocab.*512.*outside the vocabulary"):
         token_ranking(tiny_tokenizer, 512, str(listed))
+    garbage = tmp_path / "hot.pt"
+    garbage.write_bytes(b"not a tensor")
+    with pytest.raises(ValueError, match="draft_vocab: cannot read"):
+        token_ranking(tiny_tokenizer, 512, str(garbage))
     with pytest.raises(ValueError, match="draft_vocab: no file"):
         draft_vocabulary(tiny_tokenizer, 512, 300, str(tmp_path / "missing.json"))
 
