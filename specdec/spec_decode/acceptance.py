@@ -17,9 +17,8 @@ class AcceptanceEstimator:
 
     The pooled prior of position j > 1 is the pooled estimate of position j - 1, not the flat
     ``prior_acceptance``: a position that has rarely been tried is assumed to be accepted like
-    the one before it. With a flat prior, a policy that settled on K = 2 never drafted deep
-    enough to learn that positions 3.. are accepted as often (on code, more often): their
-    estimates stayed at the prior and deeper drafts never looked worth their cost."""
+    the one before it. Under a flat prior a policy that drafts K = 2 never learns whether
+    positions 3.. would pay, so it never drafts deeper."""
 
     def __init__(self, max_positions: int = 16, prior_acceptance: float = 0.5, prior_strength: float = 8.0,
                  decay: float = 0.95, pooled_decay: float = 0.999):
@@ -64,12 +63,14 @@ class AcceptanceEstimator:
             prior = posterior[row] if row else self.prior_acceptance
         return posterior
 
-    def _posterior(self, request_id: str) -> np.ndarray:
-        pooled = self._pooled_posterior()
-        counts = self._requests.get(request_id)
-        if counts is None:
-            return pooled
-        return (counts[:, 0] + self.prior_strength * pooled) / (counts[:, 1] + self.prior_strength)
+    def _request_counts(self, request_ids: Sequence[str]) -> np.ndarray:
+        """[B, P + 1, 2] each request's decayed counts (zeros for one never seen)."""
+        empty = np.zeros_like(self._pooled)
+        return np.stack([self._requests.get(r, empty) for r in request_ids])
+
+    def _scalar_posteriors(self, counts: np.ndarray, pooled_scalar: float) -> np.ndarray:
+        """[B] each request's i.i.d. acceptance: its counts under a prior at the pooled estimate."""
+        return (counts[:, 0, 0] + self.prior_strength * pooled_scalar) / (counts[:, 0, 1] + self.prior_strength)
 
     @property
     def num_pooled_trials(self) -> float:
@@ -78,15 +79,14 @@ class AcceptanceEstimator:
 
     def acceptance(self, request_id: str) -> float:
         """Per-token acceptance rate a under the i.i.d. model."""
-        return float(self._posterior(request_id)[0])
+        pooled_scalar = self._pooled_posterior()[0]
+        return float(self._scalar_posteriors(self._request_counts([request_id]), pooled_scalar)[0])
 
     def position_acceptances(self, request_ids: Sequence[str]) -> np.ndarray:
         """[B, max_positions] ``position_acceptance`` of many requests in one vectorised pass
         (it runs every step, for the whole batch)."""
         pooled = self._pooled_posterior()
-        empty = np.zeros_like(self._pooled)
-        counts = np.stack([self._requests.get(r, empty) for r in request_ids])  # [B, P + 1, 2]
-        scalar = (counts[:, 0, 0] + self.prior_strength * pooled[0]) / (counts[:, 0, 1] + self.prior_strength)  # [B]
+        scalar = self._scalar_posteriors(self._request_counts(request_ids), pooled[0])  # [B]
         return _shift_log_odds(pooled[1:], _log_odds(scalar) - _log_odds(pooled[0]))
 
     def position_acceptance(self, request_id: str) -> list[float]:

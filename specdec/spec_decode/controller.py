@@ -175,7 +175,7 @@ class SpecController:
         self.cost.observe("target", num_rows, result.target_seconds)
         # a first pass that caught up on a whole prompt (the step after a prefill) costs many passes:
         # read as the price of every pass it would say drafting never pays, and with nothing drafted
-        # no later step would correct it (measured: "auto" on a w4a8 pair decoded plain for good)
+        # no later step would correct it
         if num_drafting and self.draft_is_model and result.num_draft_first_pass_rows <= 2 * num_drafting:
             steps = max(result.num_draft_positions)  # draft passes: K, or a tree's depth
             self.cost.observe("draft", num_drafting, result.draft_seconds / steps)

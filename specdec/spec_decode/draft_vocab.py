@@ -28,9 +28,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-MIN_DRAFT_VOCAB = 1
-
-
 def cache_dir() -> Path:
     from specdec.models.hub import cache_dir as specdec_cache
 
@@ -106,8 +103,8 @@ def draft_vocabulary(tokenizer, vocab_size: int, size: int | None, token_file: s
     if size is None:
         ids = load_token_file(token_file, vocab_size)
     else:
-        if not MIN_DRAFT_VOCAB <= size <= vocab_size:
-            raise ValueError(f"speculative_config.draft_vocab_size must be in {MIN_DRAFT_VOCAB}..{vocab_size} "
+        if not 1 <= size <= vocab_size:
+            raise ValueError(f"speculative_config.draft_vocab_size must be in 1..{vocab_size} "
                              f"(the draft's vocabulary), got {size}")
         ids = token_ranking(tokenizer, vocab_size, token_file)[:size]
     special = [t for t in getattr(tokenizer, "all_special_ids", []) if 0 <= t < vocab_size]

@@ -21,10 +21,9 @@ class ThroughputGuard:
     the loss persists.
 
     "Slower" means slower beyond the noise of the two rates (``z`` standard errors): at batch 1
-    a speculating step's tokens vary from 1 to K + 1, and six unlucky steps of a draft accepted
-    80% of the time read as a loss against plain decoding (measured in simulation: "auto" then
-    decoded plain for good, 0.75x the best fixed K). At large batches a step's tokens are a sum
-    over its requests, the standard error is small and the guard stays as sharp as before."""
+    a speculating step's tokens vary from 1 to K + 1, so a few unlucky steps of a good draft can
+    average below plain decoding. At large batches a step's tokens are a sum over its requests,
+    the standard error is small and the guard stays sharp."""
 
     def __init__(self, probe_every: int = 32, min_steps: int = 6, ema_rate: float = 0.1, margin: float = 0.0,
                  max_backoff: int = 8, z: float = 2.0, clear_win: float = 1.3):
@@ -74,8 +73,8 @@ class ThroughputGuard:
         losing = spec is not None and plain is not None and spec < plain * (1.0 - self.margin) - noise
         if not losing:
             self._backoff.pop(b, None)
-            # far ahead (beyond the noise): the plain rate only needs checking now and then; a plain
-            # probe there costs a whole speculating step's worth of tokens (~3% at batch 1 every 32 steps)
+            # far ahead (beyond the noise): the plain rate only needs checking now and then, and each
+            # plain probe there gives up most of a speculating step's tokens
             winning = spec is not None and plain is not None and spec - noise > plain * self.clear_win
             interval = self.probe_every * (self.max_backoff if winning else 1)
             return step % interval != interval - 1

@@ -360,7 +360,7 @@ def test_throughput_guard_ignores_empty_steps_and_rejects_bad_settings():
 
 def test_an_untried_position_is_assumed_to_be_accepted_like_the_one_before_it():
     """Drafts that always stop at K = 2 say nothing about position 3: its estimate is position 2's,
-    not the flat prior (with the flat prior, "auto" on a strong draft settled on K = 1..2 for good)."""
+    not the flat prior."""
     estimator = AcceptanceEstimator(prior_acceptance=0.5)
     for _ in range(200):
         estimator.update("r", 2, 2)  # both drafts accepted, every step

@@ -173,8 +173,8 @@ def simulate_tokens_per_second(conditional, draft_s, target_s, row_s, fixed_k=No
 ])
 def test_auto_k_keeps_up_with_the_best_fixed_k(case, conditional, draft_s, floor):
     """Seeds 0-4, 400 steps each: the median of "auto" against the best fixed K in 0..8 (mean over
-    the same seeds). Before the chained position prior, the shared position profile and the
-    guard's noise allowance, the first case ran at 0.63-0.83x (K = 1 for good), the second at 0.94x."""
+    the same seeds). The first case needs untried positions priced like the ones before them; the
+    second, a guard that does not read batch-1 noise as a loss."""
     target_s, row_s, seeds = 0.095, 0.0025, range(5)
     best = max(sum(simulate_tokens_per_second(conditional, draft_s, target_s, row_s, fixed_k=k, seed=s)
                    for s in seeds) / len(seeds) for k in range(9))
@@ -184,8 +184,8 @@ def test_auto_k_keeps_up_with_the_best_fixed_k(case, conditional, draft_s, floor
 
 def test_a_draft_pass_that_caught_up_on_a_prompt_is_not_priced_as_a_draft_pass():
     """The step after a prefill: the draft's first pass ran over the whole prompt. Priced as one
-    pass of one row it made drafting look 10x dearer, "auto" then drafted nothing and never saw a
-    cheap pass again (measured on a w4a8 pair: plain decoding for 2,000 steps)."""
+    pass of one row it would make drafting look many times dearer, and "auto" would then draft
+    nothing and never see a cheap pass again."""
     ctl = SpecController(max_k=4, adaptive=True, draft_is_model=True)
     for n in (1, 2, 4, 8):
         ctl.cost.set("target", n, 0.05)
