@@ -23,8 +23,8 @@ from specdec.profiling import RANGE_PREFIX
 
 # the matmul-family operators the model's linears reach (packed bf16, int8 variants, plain F.linear)
 LINEAR_OPS = frozenset({"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm",
-                        "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm", "quantized::linear_dynamic",
-                        "specdec_woq::linear"})
+                        "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm", "quantized::linear_dynamic"})
+LINEAR_OP_PREFIX = "specdec_woq"  # specdec's own: specdec_woq_<isa>::*, specdec_woq_a8_<isa>::a8_linear
 CATEGORIES = ("linear", "attention", "other kernels", "forward Python", "draft", "verification + sampling",
               "engine Python")
 _PREFIX = RANGE_PREFIX
@@ -78,7 +78,7 @@ def classify(events) -> dict[str, float]:
         if not _is_operator(name) or _has_operator_ancestor(e):
             continue  # charged through its top-level operator
         if _innermost_label(e) == "forward":
-            totals["linear" if name in LINEAR_OPS else "other kernels"] += dur
+            totals["linear" if name in LINEAR_OPS or name.startswith(LINEAR_OP_PREFIX) else "other kernels"] += dur
     totals["forward Python"] = range_time["forward"] - totals["linear"] - totals["attention"] - totals["other kernels"]
     totals["draft"] = range_time["draft"]
     totals["verification + sampling"] = range_time["verify"]

@@ -90,11 +90,13 @@ def candidate_kernels(group_size: int) -> dict:
         "dequantize + F.linear (int4)": ("int4", dequant_reference("int4")),
     }
     if woq_cpu.available():
-        kernels["specdec woq int8 (AVX-512)"] = ("int8", ours("int8"))
-        kernels["specdec woq int4 (AVX-512)"] = ("int4", ours("int4"))
+        isa = woq_cpu.cpu_isas()[0]
+        kernels[f"specdec woq int8 ({isa})"] = ("int8", ours("int8"))
+        kernels[f"specdec woq int4 ({isa})"] = ("int4", ours("int4"))
     if woq_cpu.extension_a8() is not None:
-        kernels["specdec w8a8 (VNNI)"] = ("int8", ours_a8("int8"))
-        kernels["specdec w4a8 (VNNI)"] = ("int4", ours_a8("int4"))
+        isa = woq_cpu.cpu_isas(a8=True)[0]
+        kernels[f"specdec w8a8 ({isa})"] = ("int8", ours_a8("int8"))
+        kernels[f"specdec w4a8 ({isa})"] = ("int4", ours_a8("int4"))
     kernels.update(_third_party(group_size))
     return kernels
 

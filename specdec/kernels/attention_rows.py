@@ -21,12 +21,18 @@ import torch
 from specdec.kernels import cpp_build, woq_cpu
 from specdec.layers.attention import AttentionBackend, AttentionMetadata, paged_attention_torch, write_kv_cache
 
-@functools.lru_cache(maxsize=1)
-def extension():
-    """``torch.ops.specdec_attention_rows`` once built, or None (after one warning saying why)."""
+def extension(isa: str | None = None):
+    """``torch.ops.specdec_attention_rows_<isa>`` once built (``isa``: see ``woq_cpu.build_args``;
+    AVX-512 or AVX2), or None (after one warning saying why)."""
+    return _extension(*woq_cpu.build_args(isa))
+
+
+@functools.lru_cache(maxsize=None)
+def _extension(isa: str, flags: tuple[str, ...], needs: tuple[str, ...]):
+    ns = f"specdec_attention_rows_{isa}"
     return cpp_build.load_ops(
-        "specdec_attention_rows", "attention_rows.cpp", "specdec_attention_rows", woq_cpu.FLAGS,
-        needs=woq_cpu.CPU_FLAGS, what="the row-consistent attention kernel", disable_env=woq_cpu.DISABLE_ENV,
+        ns, "attention_rows.cpp", ns, ["-O3", *flags, f"-DSPECDEC_LIB={ns}"],
+        needs=needs, what="the row-consistent attention kernel", disable_env=woq_cpu.DISABLE_ENV,
         warn_disabled=True, fallback="row-consistent attention runs the batched torch path; speculation with "
         "int8 activations (w8a8 / w4a8) may then differ from plain decoding")
 

@@ -1,14 +1,16 @@
-"""The AVX-512 int8 / int4 weight-only CPU kernel and the bf16-weight float32 one
-(``csrc/woq_linear.cpp``: ``linear``, ``bf16_linear``) and the int8-activation VNNI kernel
-(``csrc/woq_a8.cpp``, ``linear_a8``), each built on first use (``cpp_build``).
+"""The int8 / int4 weight-only CPU kernel and the bf16-weight float32 one (``csrc/woq_linear.cpp``:
+``linear``, ``bf16_linear``) and the int8-activation kernel (``csrc/woq_a8.cpp``, ``linear_a8``),
+each built on first use (``cpp_build``) for the best instruction set this CPU runs: AVX-512 (the
+int8-activation kernel: AVX-512 VNNI) or AVX2 + FMA.
 
-Where one cannot run (no AVX-512, no compiler, a failed build, ``SPECDEC_DISABLE_WOQ_KERNEL=1``)
+Where none can run (no AVX2, no compiler, a failed build, ``SPECDEC_DISABLE_WOQ_KERNEL=1``)
 ``available()`` is False after one warning and ``linear`` runs ``woq_format.reference_linear``
 (dequantize, then ``F.linear``: slower).
 """
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,17 +26,51 @@ from specdec.kernels.woq_format import (
     supports_a8,
 )
 
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+# instruction set -> (compiler flags, the /proc/cpuinfo flags it needs), best first
+ISAS = {
+    "avx512": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"),
+               ("avx512f", "avx512bw", "avx512vl", "avx512dq")),
+    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+}
+A8_EXTRA = {"avx512": (("-mavx512vnni",), ("avx512_vnni",))}  # the int8-activation kernel's AVX-512 form
 DISABLE_ENV = "SPECDEC_DISABLE_WOQ_KERNEL"
+ISA_ENV = "SPECDEC_CPU_ISA"  # build the kernels for this instruction set, not the best the CPU runs
 BF16_KERNEL_MAX_ROWS = 128
 
 
-@functools.lru_cache(maxsize=1)
-def extension():
-    """``torch.ops.specdec_woq`` once built and loaded, or None (after one warning saying why)."""
-    return cpp_build.load_ops("specdec_woq_linear", "woq_linear.cpp", "specdec_woq", FLAGS, needs=CPU_FLAGS,
-                              what="the int8/int4 CPU kernel", disable_env=DISABLE_ENV,
+def cpu_isas(a8: bool = False) -> list[str]:
+    """The instruction sets of ``ISAS`` this CPU runs, best first (``a8``: for the int8-activation
+    kernel, whose AVX-512 form also needs VNNI)."""
+    flags = cpp_build.cpu_flags()
+    return [isa for isa, (_, needs) in ISAS.items()
+            if set(needs) <= flags and (not a8 or set(A8_EXTRA.get(isa, ((), ()))[1]) <= flags)]
+
+
+def build_args(isa: str | None = None, a8: bool = False) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """(isa, compiler flags, needed CPU flags) of a kernel built for ``isa``; None: ``$SPECDEC_CPU_ISA``
+    if set, else the best this CPU runs (where it runs none, the AVX-512 set, so the warning names
+    what is missing)."""
+    found = cpu_isas(a8)
+    isa = isa or os.environ.get(ISA_ENV) or (found[0] if found else "avx512")
+    if isa not in ISAS:
+        raise ValueError(f"{ISA_ENV}={isa!r}: must be one of {sorted(ISAS)}")
+    flags, needs = ISAS[isa]
+    if a8 and isa in A8_EXTRA:
+        flags, needs = flags + A8_EXTRA[isa][0], needs + A8_EXTRA[isa][1]
+    return isa, flags, needs
+
+
+def extension(isa: str | None = None):
+    """``torch.ops.specdec_woq_<isa>`` once built and loaded (``isa``: see ``build_args``), or None
+    (after one warning saying why)."""
+    return _extension(*build_args(isa))
+
+
+@functools.lru_cache(maxsize=None)
+def _extension(isa: str, flags: tuple[str, ...], needs: tuple[str, ...]):
+    ns = f"specdec_woq_{isa}"
+    return cpp_build.load_ops(ns, "woq_linear.cpp", ns, ["-O3", *flags, f"-DSPECDEC_LIB={ns}"],
+                              needs=needs, what="the int8/int4 CPU kernel", disable_env=DISABLE_ENV,
                               fallback="int8/int4 weights use the slow pure-torch path")
 
 
@@ -101,13 +137,18 @@ def _widen_buffer(elements: int) -> torch.Tensor:
     return _widen[0][:elements]
 
 
-@functools.lru_cache(maxsize=1)
-def extension_a8():
-    """``torch.ops.specdec_woq_a8`` (the VNNI int8-activation kernel) once built, or None (after one
+def extension_a8(isa: str | None = None):
+    """``torch.ops.specdec_woq_a8_<isa>`` (the int8-activation kernel) once built, or None (after one
     warning saying why: ``linear_a8`` then runs ``woq_format.reference_linear_a8``, much slower)."""
-    return cpp_build.load_ops("specdec_woq_a8", "woq_a8.cpp", "specdec_woq_a8", FLAGS + ["-mavx512vnni"],
-                              needs=CPU_FLAGS + ("avx512_vnni",), what="the int8-activation CPU kernel",
-                              disable_env=DISABLE_ENV, fallback="int8 activations use the slow pure-torch path")
+    return _extension_a8(*build_args(isa, a8=True))
+
+
+@functools.lru_cache(maxsize=None)
+def _extension_a8(isa: str, flags: tuple[str, ...], needs: tuple[str, ...]):
+    ns = f"specdec_woq_a8_{isa}"
+    return cpp_build.load_ops(ns, "woq_a8.cpp", ns, ["-O3", *flags, f"-DSPECDEC_LIB={ns}"],
+                              needs=needs, what="the int8-activation CPU kernel", disable_env=DISABLE_ENV,
+                              fallback="int8 activations use the slow pure-torch path")
 
 
 def a8_chunks(k: int, group_size: int = 32) -> list[tuple[int, int]]:

@@ -30,6 +30,8 @@
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,10 +50,20 @@ INT4_GROUP_SIZE = 128  # inputs per int4 scale / offset: 4.5 bits per weight wit
 
 
 def _can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return (
-        device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    return device.type == "cpu" and dtype == torch.bfloat16 and _onednn_packs_bf16()
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn_packs_bf16() -> bool:
+    """Whether oneDNN packs bf16 linear weights on this CPU (it refuses where the CPU has neither
+    AVX-512 BW/VL/DQ nor AVX-NE-CONVERT): asked once on a tiny weight."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):

@@ -203,7 +203,7 @@ def _rows_kernel() -> bool:
     from specdec.kernels import cpp_build, woq_cpu
     from specdec.kernels.attention_rows import extension
 
-    if cpp_build.disabled(woq_cpu.DISABLE_ENV) or not set(woq_cpu.CPU_FLAGS) <= cpp_build.cpu_flags():
+    if cpp_build.disabled(woq_cpu.DISABLE_ENV) or not woq_cpu.cpu_isas():
         return False
     return extension() is not None
 

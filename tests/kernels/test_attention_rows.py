@@ -6,7 +6,8 @@ import torch
 from specdec.kernels import attention_rows
 from specdec.layers.attention import AttentionMetadata, paged_attention_reference
 
-needs_kernel = pytest.mark.skipif(attention_rows.extension() is None, reason="no AVX-512 kernel on this machine")
+needs_kernel = pytest.mark.skipif(attention_rows.extension() is None, reason="no AVX-512 or AVX2 kernel here")
+pytestmark = pytest.mark.usefixtures("kernel_isa")
 
 
 def make_cache(num_kv_heads, head_dim, block_size=16, num_blocks=80, seed=0):

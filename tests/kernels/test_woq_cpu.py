@@ -1,4 +1,4 @@
-"""The int8 / int4 AVX-512 CPU kernel against its pure-torch reference (woq_format.reference_linear).
+"""The int8 / int4 CPU kernels (each instruction set this CPU runs: ``kernel_isa``) against its pure-torch reference (woq_format.reference_linear).
 
 Tolerance, float32: kernel and reference dequantise each weight with at most two roundings and
 sum the K products in different orders, so both lie within the standard bound for a float32 dot
@@ -23,7 +23,8 @@ from specdec.kernels.woq_format import (
     supports_a8,
 )
 
-needs_kernel = pytest.mark.skipif(not woq_cpu.available(), reason="no AVX-512 kernel on this machine")
+needs_kernel = pytest.mark.skipif(not woq_cpu.available(), reason="no AVX-512 or AVX2 kernel on this machine")
+pytestmark = pytest.mark.usefixtures("kernel_isa")
 
 FORMATS = {
     "int8-channel": lambda w: quantize_int8(w),
@@ -113,9 +114,9 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("error: command 'c++' failed: No such file or directory")
 
-    monkeypatch.setattr(cpp_build, "cpu_flags", lambda: frozenset(woq_cpu.CPU_FLAGS))
+    monkeypatch.setattr(cpp_build, "cpu_flags", lambda: frozenset(woq_cpu.ISAS["avx512"][1] + woq_cpu.ISAS["avx2"][1]))
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    woq_cpu.extension.cache_clear()
+    woq_cpu._extension.cache_clear()
     try:
         with pytest.warns(UserWarning, match="could not build the int8/int4 CPU kernel.*c\\+\\+"):
             assert woq_cpu.extension() is None
@@ -126,12 +127,12 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
             x = torch.randn(1, 64)
             assert torch.equal(woq_cpu.linear(x, weight), reference_linear(x, weight))
     finally:
-        woq_cpu.extension.cache_clear()
+        woq_cpu._extension.cache_clear()
 
 
 # ---- int8 activations (w8a8 / w4a8): csrc/woq_a8.cpp against woq_format.reference_linear_a8 ----
 
-needs_a8_kernel = pytest.mark.skipif(woq_cpu.extension_a8() is None, reason="no AVX-512 VNNI kernel here")
+needs_a8_kernel = pytest.mark.skipif(woq_cpu.extension_a8() is None, reason="no AVX-512 VNNI or AVX2 kernel here")
 
 A8_FORMATS = {
     "w8a8-channel": lambda w: quantize_int8(w),

@@ -1,10 +1,10 @@
-// Paged attention for CPUs with AVX-512, float32, in which every (query row, head) is computed on
+// Paged attention for x86 CPUs with AVX-512 or AVX2, float32, in which every (query row, head) is computed on
 // its own: the same instruction sequence over the keys it may see, in key order, whatever the
 // other rows of the call, the padding of the batch or the number of keys it may not see. So a
 // token's row is the same number in a one-row decode step, in row j of a K+1-row verification and
 // next to any other requests (``specdec.layers.attention.ROWS_BACKEND``).
 //
-// Per (row, head): s_n = (q * scale) . k_n (D / 16 FMAs in one chain, then a fixed horizontal sum)
+// Per (row, head): s_n = (q * scale) . k_n (D / kW FMAs in one chain, then a fixed horizontal sum)
 // for each visible key n; m = max s_n; p_n = exp(s_n - m) (a polynomial exp, the same
 // instructions for every element); l = sum p_n and o = sum p_n v_n in key order; out = o / l.
 // Visible: n <= seq_len - q_len + j (bottom-right causal) and, for a token-tree request, n < base
@@ -12,11 +12,14 @@
 //
 // ``qkv_attention_rows`` runs a layer's rotary, KV-cache write and attention in one call from the
 // fused QKV projection's output (at batch 1 the separate ops cost more than their arithmetic).
-#include <immintrin.h>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "common.h"
+
+#ifndef SPECDEC_LIB
+#define SPECDEC_LIB specdec_attention_rows
+#endif
 
 #include <cmath>
 #include <cstring>
@@ -24,7 +27,7 @@
 
 namespace {
 
-using specdec_cpu_common::exp_ps;  // x <= 0 here
+using namespace specdec_cpu_common;  // exp_ps: x <= 0 here
 
 struct Args {
   const float* q;  // [T, H, D]
@@ -49,63 +52,61 @@ void one_group(const Args& a, int64_t r, int64_t t, int64_t kvh, int64_t h0, std
   const int64_t j = t - a.qsl[r], limit = seq_len - q_len + j;  // last visible key
   const int64_t base = a.tree_base != nullptr ? a.tree_base[r] : seq_len;
   const uint8_t* mask = a.tree_mask != nullptr ? a.tree_mask + t * a.tree_width : nullptr;
-  const int64_t D = a.D, chunks = D / 16, rem = D % 16, nc = chunks + (rem ? 1 : 0);
-  const __mmask16 tail = static_cast<__mmask16>((1u << rem) - 1);
-  auto load = [&](const float* p, int64_t c) {
-    return c < chunks ? _mm512_loadu_ps(p + 16 * c) : _mm512_maskz_loadu_ps(tail, p + 16 * c);
-  };
-  __m512 qv[G][16];  // D <= 256
+  const int64_t D = a.D, chunks = D / kW, rem = D % kW, nc = chunks + (rem ? 1 : 0);
+  const vmask tail = vtail(rem);
+  auto load = [&](const float* p, int64_t c) { return c < chunks ? vload(p + kW * c) : vload_mask(tail, p + kW * c); };
+  vf qv[G][256 / kW];  // D <= 256
   for (int g = 0; g < G; ++g) {
     const float* qrow = a.q + (t * a.H + h0 + g) * D;
-    for (int64_t c = 0; c < nc; ++c) qv[g][c] = _mm512_mul_ps(load(qrow, c), _mm512_set1_ps(a.scale));
+    for (int64_t c = 0; c < nc; ++c) qv[g][c] = vmul(load(qrow, c), vset1(a.scale));
   }
   const int64_t* table = a.block_tables + r * a.W;
   keys.clear();
   for (int64_t n = 0; n <= limit; ++n)
     if (n < base || mask[n - base]) keys.push_back(static_cast<int32_t>(n));
-  const int64_t nk = static_cast<int64_t>(keys.size()), stride = nk + 16;
+  const int64_t nk = static_cast<int64_t>(keys.size()), stride = nk + kW;
   s.resize(G * stride);
   float m[G];
   for (int g = 0; g < G; ++g) m[g] = -INFINITY;
   for (int64_t i = 0; i < nk; ++i) {
     const int64_t n = keys[i];
     const float* kr = a.k + ((table[n / a.bs] * a.bs + n % a.bs) * a.Hkv + kvh) * D;
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    vf acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = vzero();
     for (int64_t c = 0; c < nc; ++c) {
-      const __m512 kv = load(kr, c);
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(qv[g][c], kv, acc[g]);
+      const vf kv = load(kr, c);
+      for (int g = 0; g < G; ++g) acc[g] = vfmadd(qv[g][c], kv, acc[g]);
     }
     for (int g = 0; g < G; ++g) {
-      s[g * stride + i] = _mm512_reduce_add_ps(acc[g]);
+      s[g * stride + i] = vreduce_add(acc[g]);
       m[g] = std::max(m[g], s[g * stride + i]);
     }
   }
   float l[G];
   for (int g = 0; g < G; ++g) {
-    const __m512 mv = _mm512_set1_ps(m[g]);
+    const vf mv = vset1(m[g]);
     float* sg = s.data() + g * stride;
-    for (int64_t i = 0; i < nk; i += 16)  // padding lanes are computed and never read
-      _mm512_storeu_ps(sg + i, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + i), mv)));
+    for (int64_t i = 0; i < nk; i += kW)  // padding lanes are computed and never read
+      vstore(sg + i, exp_ps(vsub(vload(sg + i), mv)));
     l[g] = 0.0f;
   }
-  __m512 o[G][16];
+  vf o[G][256 / kW];
   for (int g = 0; g < G; ++g)
-    for (int64_t c = 0; c < nc; ++c) o[g][c] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; ++c) o[g][c] = vzero();
   for (int64_t i = 0; i < nk; ++i) {
     const int64_t n = keys[i];
     const float* vr = a.v + ((table[n / a.bs] * a.bs + n % a.bs) * a.Hkv + kvh) * D;
     for (int g = 0; g < G; ++g) l[g] += s[g * stride + i];
     for (int64_t c = 0; c < nc; ++c) {
-      const __m512 vv = load(vr, c);
-      for (int g = 0; g < G; ++g) o[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * stride + i]), vv, o[g][c]);
+      const vf vv = load(vr, c);
+      for (int g = 0; g < G; ++g) o[g][c] = vfmadd(vset1(s[g * stride + i]), vv, o[g][c]);
     }
   }
   for (int g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
+    const vf inv = vset1(1.0f / l[g]);
     float* orow = a.out + (t * a.H + h0 + g) * D;
-    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(orow + 16 * c, _mm512_mul_ps(o[g][c], inv));
-    if (rem) _mm512_mask_storeu_ps(orow + 16 * chunks, tail, _mm512_mul_ps(o[g][chunks], inv));
+    for (int64_t c = 0; c < chunks; ++c) vstore(orow + kW * c, vmul(o[g][c], inv));
+    if (rem) vstore_mask(tail, orow + kW * chunks, vmul(o[g][chunks], inv));
   }
 }
 
@@ -204,7 +205,7 @@ at::Tensor qkv_attention_rows(const at::Tensor& qkv, const at::Tensor& cos, cons
   return attention_rows(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, tree_base, tree_mask);
 }
 
-TORCH_LIBRARY(specdec_attention_rows, m) {
+TORCH_LIBRARY(SPECDEC_LIB, m) {
   m.def("attention_rows(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, float scale, Tensor? tree_base, Tensor? tree_mask) -> Tensor", &attention_rows);
   m.def("qkv_attention_rows(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor slot_mapping, "

@@ -1,34 +1,116 @@
 // Small pieces more than one of specdec's CPU kernels use (each kernel is its own extension, built
 // from its .cpp; this header is included, not built).
-//   exp_ps(x)           AVX-512 exp, x clamped to [-87, 88] (where __AVX512F__ is on)
+//   vf, kW, v*(...)     one float32 SIMD register of kW lanes and its operations: AVX-512 (kW 16)
+//                       where __AVX512F__ is on, else AVX2 + FMA (kW 8); the kernels written on
+//                       them compile for either
+//   exp_ps(x)           exp, x clamped to [-87, 88]: the same instructions for every element
 //   rotate_half(...)    one head's rotate-half rotary
 //   add_bias(y, bias)   y [M, N] += bias [N], row by row
 #pragma once
 
 #include <torch/extension.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace specdec_cpu_common {
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
+constexpr int kW = 16;
+using vf = __m512;
+using vmask = __mmask16;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset1(float v) { return _mm512_set1_ps(v); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vmask vtail(int64_t n) { return static_cast<vmask>((1u << n) - 1); }  // the first n lanes, n < kW
+inline vf vload_mask(vmask m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline void vstore_mask(vmask m, float* p, vf v) { _mm512_mask_storeu_ps(p, m, v); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vreduce_add(vf v) { return _mm512_reduce_add_ps(v); }
+// kW int8 / uint8 values widened to floats
+inline vf vload_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512i vload_u8_i32(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vf vcvt_i32(__m512i v) { return _mm512_cvtepi32_ps(v); }
+inline __m512i vand_i32(__m512i v, int32_t m) { return _mm512_and_si512(v, _mm512_set1_epi32(m)); }
+inline __m512i vsrl_i32(__m512i v, int n) { return _mm512_srli_epi32(v, n); }
+inline __m512i vsll_i32(__m512i v, int n) { return _mm512_slli_epi32(v, n); }
+inline __m512i vload_i32(const void* p) { return _mm512_loadu_si512(p); }
+inline vf vas_float(__m512i v) { return _mm512_castsi512_ps(v); }
+#elif defined(__AVX2__)
+constexpr int kW = 8;
+using vf = __m256;
+using vmask = __m256i;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset1(float v) { return _mm256_set1_ps(v); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vmask vtail(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline vf vload_mask(vmask m, const float* p) { return _mm256_maskload_ps(p, m); }
+inline void vstore_mask(vmask m, float* p, vf v) { _mm256_maskstore_ps(p, m, v); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+// a fixed order: the halves, then pairs, then the last two
+inline float vreduce_add(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vf vload_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256i vload_u8_i32(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline vf vcvt_i32(__m256i v) { return _mm256_cvtepi32_ps(v); }
+inline __m256i vand_i32(__m256i v, int32_t m) { return _mm256_and_si256(v, _mm256_set1_epi32(m)); }
+inline __m256i vsrl_i32(__m256i v, int n) { return _mm256_srli_epi32(v, n); }
+inline __m256i vsll_i32(__m256i v, int n) { return _mm256_slli_epi32(v, n); }
+inline __m256i vload_i32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline vf vas_float(__m256i v) { return _mm256_castsi256_ps(v); }
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
 // 2^k * P(r), x = k ln2 + r, |r| <= ln2 / 2 (Cephes expf coefficients): the same instructions for
 // every element
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+inline vf exp_ps(vf x) {
+#if defined(__AVX512F__)
+  x = _mm512_min_ps(_mm512_max_ps(x, vset1(-87.0f)), vset1(88.0f));
+  const vf k = _mm512_roundscale_ps(vmul(x, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  x = _mm256_min_ps(_mm256_max_ps(x, vset1(-87.0f)), vset1(88.0f));
+  const vf k = _mm256_round_ps(vmul(x, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+  vf r = vfmadd(k, vset1(-0.693359375f), x);
+  r = vfmadd(k, vset1(2.12194440e-4f), r);
+  vf p = vset1(1.9875691500e-4f);
+  p = vfmadd(p, r, vset1(1.3981999507e-3f));
+  p = vfmadd(p, r, vset1(8.3334519073e-3f));
+  p = vfmadd(p, r, vset1(4.1665795894e-2f));
+  p = vfmadd(p, r, vset1(1.6666665459e-1f));
+  p = vfmadd(p, r, vset1(5.0000001201e-1f));
+  p = vfmadd(vmul(p, r), r, vadd(r, vset1(1.0f)));
+#if defined(__AVX512F__)
   return _mm512_scalef_ps(p, k);
+#else
+  // 2^k as a float (k in [-126, 127] after the clamp), then one exact multiply: as scalef
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return vmul(p, _mm256_castsi256_ps(e));
+#endif
 }
 #endif
 

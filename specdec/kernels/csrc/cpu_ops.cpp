@@ -31,13 +31,15 @@ inline float row_inv_rms(const float* v, int64_t n, float eps) {
 
 // o[i] = silu(g[i]) * u[i]; the same per-element arithmetic whatever n or the element's place
 void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
-#ifdef __AVX512F__
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 gv = _mm512_maskz_loadu_ps(m, g + i), uv = _mm512_maskz_loadu_ps(m, u + i);
-    const __m512 e = specdec_cpu_common::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-    _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), uv));
+#if defined(__AVX512F__) || defined(__AVX2__)
+  using namespace specdec_cpu_common;
+  const vf one = vset1(1.0f);
+  for (int64_t i = 0; i < n; i += kW) {
+    const bool full = n - i >= kW;
+    const vmask m = vtail(full ? 0 : n - i);
+    const vf gv = full ? vload(g + i) : vload_mask(m, g + i), uv = full ? vload(u + i) : vload_mask(m, u + i);
+    const vf o_v = vmul(vdiv(gv, vadd(one, exp_ps(vsub(vzero(), gv)))), uv);
+    full ? vstore(o + i, o_v) : vstore_mask(m, o + i, o_v);
   }
 #else
   for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];

@@ -1,4 +1,4 @@
-// int8-activation linear for x86 CPUs with AVX-512 VNNI: y[M, N] = A8(x)[M, K] . W[N, K]^T, the
+// int8-activation linear for x86 CPUs with AVX-512 VNNI or AVX2: y[M, N] = A8(x)[M, K] . W[N, K]^T, the
 // function woq_format.reference_linear_a8 defines (int8 / int4 weights; x quantized per row per
 // block of 32 inputs, symmetric, round half to even; integer block sums; float scaling).
 //
@@ -16,6 +16,13 @@
 // activations). int8: vpdpbusd(u8 = activations + 128, s8 weights) minus 128 * (sum of the lane's
 // weights), that sum taken by one more vpdpbusd per step against ones, shared by the tile's rows.
 //
+// AVX2 (no VNNI; built where AVX-512 VNNI is missing): the same layout, each 64-byte step as two
+// 256-bit halves (lanes 0-7, 8-15). Products by vpmaddubsw (u8 . s8 pairs into int16) and vpmaddwd
+// against ones. int4: the u8 weights 0..15 times the s8 activations, pairs summed in int16 over a
+// chunk's at most 8 steps (|sum| <= 8 * 2 * 15 * 127 < 2^15), widened once per chunk. int8: |w|
+// times the activation with w's sign (|w| <= 128 and |x| <= 127: a pair fits int16), widened each
+// step. The integer sums are exact, the same as the VNNI path's.
+//
 // Every (row, output) result is the same instruction sequence whatever M is and whichever rows
 // share its tile, so row i of an M-row call equals the 1-row call bit for bit.
 #include <immintrin.h>
@@ -24,6 +31,8 @@
 
 #include "common.h"
 
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -50,17 +59,18 @@ namespace {
 #ifndef A8_PREFETCH_STEPS
 #define A8_PREFETCH_STEPS 64  // steps of 64 inputs ahead in each weight row (int8: 4 KB, int4: 2 KB)
 #endif
-#ifndef A8_LIB
-#define A8_LIB specdec_woq_a8
+#ifndef SPECDEC_LIB
+#define SPECDEC_LIB specdec_woq_a8
 #endif
 
 struct Chunk {
   int64_t c0, C, g0;
-  __m512i group_of_lane;  // lane -> its weight group, relative to g0
-  __mmask16 groups;       // the groups the chunk touches, from g0
-  int64_t sb0;            // two-level scales: the chunk's first super-block of S inputs
-  __m512i super_of_group; // group (relative to g0) -> its super-block, relative to sb0
-  __mmask16 supers;       // the super-blocks the chunk touches, from sb0
+  alignas(64) int32_t group_of_lane[16];   // lane -> its weight group, relative to g0
+  int32_t num_groups;                      // the groups the chunk touches, from g0
+  int64_t sb0;                             // two-level scales: the chunk's first super-block of S inputs
+  alignas(64) int32_t super_of_group[16];  // group (relative to g0) -> its super-block, relative to sb0
+  int32_t num_supers;                      // the super-blocks the chunk touches, from sb0
+  bool identity;                           // lane l is group l (a lane's inputs are one whole group)
 };
 
 // S: inputs per super-block of two-level scales (0: none)
@@ -70,19 +80,16 @@ std::vector<Chunk> make_chunks(int64_t K, int64_t G, int64_t S = 0) {
   while (c0 < K) {
     int64_t C = 512;
     while (C > K - c0 || C / 16 > G) C /= 2;  // a lane's inputs within one weight group
-    Chunk c;
+    Chunk c{};
     c.c0 = c0;
     c.C = C;
     c.g0 = c0 / G;
-    alignas(64) int32_t idx[16];
-    for (int l = 0; l < 16; ++l) idx[l] = static_cast<int32_t>((c0 + l * (C / 16)) / G - c.g0);
-    c.group_of_lane = _mm512_load_si512(idx);
-    c.groups = static_cast<__mmask16>((1u << (idx[15] + 1)) - 1);
+    for (int l = 0; l < 16; ++l) c.group_of_lane[l] = static_cast<int32_t>((c0 + l * (C / 16)) / G - c.g0);
+    c.num_groups = c.group_of_lane[15] + 1;
     c.sb0 = S > 0 ? c0 / S : 0;
-    alignas(64) int32_t sup[16] = {};
-    for (int j = 0; j <= idx[15] && S > 0; ++j) sup[j] = static_cast<int32_t>((c0 + j * G) / S - c.sb0);
-    c.super_of_group = _mm512_load_si512(sup);
-    c.supers = static_cast<__mmask16>((1u << (sup[idx[15]] + 1)) - 1);
+    for (int j = 0; j < c.num_groups && S > 0; ++j) c.super_of_group[j] = static_cast<int32_t>((c0 + j * G) / S - c.sb0);
+    c.num_supers = c.super_of_group[c.num_groups - 1] + 1;
+    c.identity = c.num_groups == 16;
     out.push_back(c);
     c0 += C;
   }
@@ -108,18 +115,22 @@ struct Args {
 // Python side stores a compact form only where it is exact), so the result does not depend on it.
 enum ScaleFormat { kF32 = 0, kF16 = 1, kTwoLevel = 2 };
 
+#if defined(__AVX512VNNI__)
+
 // The chunk's group values (lane j = group g0 + j) of output n.
 template <int SF>
 __attribute__((always_inline)) inline __m512 group_values(const Args& a, const Chunk& ch, const void* v,
                                                          const float* sup, int64_t n) {
   const int64_t base = n * (a.K / a.G) + ch.g0;
-  if (SF == kF32) return _mm512_maskz_loadu_ps(ch.groups, static_cast<const float*>(v) + base);
+  const __mmask16 groups = static_cast<__mmask16>((1u << ch.num_groups) - 1);
+  if (SF == kF32) return _mm512_maskz_loadu_ps(groups, static_cast<const float*>(v) + base);
   if (SF == kF16)
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(ch.groups, static_cast<const uint16_t*>(v) + base));
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(groups, static_cast<const uint16_t*>(v) + base));
   const __m512 mult = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(ch.groups, static_cast<const int8_t*>(v) + base)));
-  const __m512 factor = _mm512_permutexvar_ps(ch.super_of_group,
-                                              _mm512_maskz_loadu_ps(ch.supers, sup + n * a.nsb + ch.sb0));
+      _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(groups, static_cast<const int8_t*>(v) + base)));
+  const __mmask16 supers = static_cast<__mmask16>((1u << ch.num_supers) - 1);
+  const __m512 factor = _mm512_permutexvar_ps(_mm512_load_si512(ch.super_of_group),
+                                              _mm512_maskz_loadu_ps(supers, sup + n * a.nsb + ch.sb0));
   return _mm512_mul_ps(mult, factor);
 }
 
@@ -168,8 +179,8 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
     }
     __m512 sv[NB], ov[NB];
     for (int n = 0; n < NB; ++n) {
-      sv[n] = _mm512_permutexvar_ps(ch.group_of_lane, group_values<SF>(a, ch, a.ws, a.ws_sup, n0 + n));
-      if (INT4) ov[n] = _mm512_permutexvar_ps(ch.group_of_lane, group_values<SF>(a, ch, a.wo, a.wo_sup, n0 + n));
+      sv[n] = _mm512_permutexvar_ps(_mm512_load_si512(ch.group_of_lane), group_values<SF>(a, ch, a.ws, a.ws_sup, n0 + n));
+      if (INT4) ov[n] = _mm512_permutexvar_ps(_mm512_load_si512(ch.group_of_lane), group_values<SF>(a, ch, a.wo, a.wo_sup, n0 + n));
       else wsum[n] = _mm512_slli_epi32(wsum[n], 7);
     }
     for (int m = 0; m < MB; ++m) {
@@ -278,6 +289,218 @@ void quantize_rows(const float* x, int64_t M, int64_t K, const std::vector<Chunk
   }
 }
 
+#else  // AVX2
+
+// 8 consecutive values from p[pos] as floats (values past `total` read as 0)
+template <typename T>
+inline __m256 load8(const T* p, int64_t pos, int64_t total) {
+  if (__builtin_expect(pos + 8 > total, 0)) {  // the last rows' values: copied out first
+    alignas(32) T tmp[8] = {};
+    for (int64_t i = 0; pos + i < total && i < 8; ++i) tmp[i] = p[pos + i];
+    return load8(tmp, 0, 8);
+  }
+  if constexpr (std::is_same<T, float>::value) return _mm256_loadu_ps(p + pos);
+  else if constexpr (std::is_same<T, uint16_t>::value)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + pos)));
+  else return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + pos))));
+}
+
+// Lanes 8h .. 8h + 7 of the chunk's group values of output n (lane -> its group's value). The
+// half's lanes touch at most 8 consecutive groups (a lane never spans two), loaded at once and
+// moved to their lanes by one permutation; two-level: codes times their super-blocks' factors,
+// moved likewise.
+template <int SF>
+__attribute__((always_inline)) inline __m256 half_values(const Args& a, const Chunk& ch, const void* v,
+                                                        const float* sup, int64_t n, int h) {
+  const int64_t ng = a.K / a.G, first = ch.group_of_lane[8 * h];
+  const int64_t pos = n * ng + ch.g0 + first, total = a.N * ng;
+  __m256 vals;
+  if (SF == kF32) vals = load8(static_cast<const float*>(v), pos, total);
+  else if (SF == kF16) vals = load8(static_cast<const uint16_t*>(v), pos, total);
+  else {
+    alignas(32) int32_t sidx[8];
+    const int32_t s_first = ch.super_of_group[first];
+    for (int j = 0; j < 8; ++j)
+      sidx[j] = first + j < ch.num_groups ? ch.super_of_group[first + j] - s_first : 0;
+    const __m256 factors = _mm256_permutevar8x32_ps(load8(sup, n * a.nsb + ch.sb0 + s_first, a.N * a.nsb),
+                                                    _mm256_load_si256(reinterpret_cast<const __m256i*>(sidx)));
+    vals = _mm256_mul_ps(load8(static_cast<const int8_t*>(v), pos, total), factors);
+  }
+  if (ch.identity) return vals;
+  const __m256i lanes = _mm256_sub_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(ch.group_of_lane + 8 * h)),
+                                         _mm256_set1_epi32(static_cast<int32_t>(first)));
+  return _mm256_permutevar8x32_ps(vals, lanes);
+}
+
+constexpr int kMaxRows = 9;
+
+// One chunk, outputs n0 .. n0 + NB - 1, rows m0 .. m0 + RB - 1: integer dot products per lane,
+// then facc[n][m] += xs * (ws * I (+ wo * xsum)) per lane. The activations are s8 (int8 too).
+template <bool INT4, int NB, int RB>
+__attribute__((always_inline)) inline void chunk_rows(const Args& a, const Chunk& ch, int64_t c, int64_t n0,
+                                                     int64_t m0, const float (*sv)[16], const float (*ov)[16],
+                                                     float (*facc)[kMaxRows][16]) {
+  const __m256i ones16 = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+  __m256i acc[NB][RB][2];
+  for (int n = 0; n < NB; ++n)
+    for (int m = 0; m < RB; ++m) acc[n][m][0] = acc[n][m][1] = _mm256_setzero_si256();
+  for (int64_t k = ch.c0; k < ch.c0 + ch.C; k += 64) {
+    for (int n = 0; n < NB; ++n) {
+      const uint8_t* row = a.w + (n0 + n) * (INT4 ? a.K / 2 : a.K) + (INT4 ? k / 2 : k);
+      _mm_prefetch(reinterpret_cast<const char*>(row + A8_PREFETCH_STEPS * (INT4 ? 32 : 64)), _MM_HINT_T0);
+      if (INT4) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+        const __m256i w0 = _mm256_and_si256(v, low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        for (int m = 0; m < RB; ++m) {
+          const uint8_t* x = a.xq + (m0 + m) * a.K + k;
+          acc[n][m][0] = _mm256_add_epi16(acc[n][m][0], _mm256_maddubs_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))));
+          acc[n][m][1] = _mm256_add_epi16(acc[n][m][1], _mm256_maddubs_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32))));
+        }
+      } else {
+        const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+        const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32));
+        const __m256i w0 = _mm256_abs_epi8(r0), w1 = _mm256_abs_epi8(r1);
+        for (int m = 0; m < RB; ++m) {
+          const uint8_t* x = a.xq + (m0 + m) * a.K + k;
+          const __m256i x0 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), r0);
+          const __m256i x1 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)), r1);
+          acc[n][m][0] = _mm256_add_epi32(acc[n][m][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones16));
+          acc[n][m][1] = _mm256_add_epi32(acc[n][m][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), ones16));
+        }
+      }
+    }
+  }
+  for (int m = 0; m < RB; ++m)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 xs = _mm256_loadu_ps(a.xs + (m0 + m) * a.L + 16 * c + 8 * h);
+      const __m256 xsum = INT4 ? _mm256_loadu_ps(a.xsum + (m0 + m) * a.L + 16 * c + 8 * h) : _mm256_setzero_ps();
+      for (int n = 0; n < NB; ++n) {
+        const __m256i isum = INT4 ? _mm256_madd_epi16(acc[n][m][h], ones16) : acc[n][m][h];
+        const __m256 s = _mm256_load_ps(sv[n] + 8 * h);
+        const __m256 t = INT4 ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, _mm256_mul_ps(_mm256_load_ps(ov[n] + 8 * h), xsum))
+                              : _mm256_mul_ps(_mm256_cvtepi32_ps(isum), s);
+        float* f = facc[n][m0 + m] + 8 * h;
+        _mm256_store_ps(f, _mm256_fmadd_ps(t, xs, _mm256_load_ps(f)));
+      }
+    }
+}
+
+// outputs n0 .. n0 + NB - 1 for all M <= kMaxRows rows, RB rows at a time per chunk (the chunk's
+// weights stay in L1 between the row blocks)
+template <bool INT4, int SF, int NB, int RB>
+void tile(const Args& a, int64_t n0, int64_t M) {
+  alignas(32) float facc[NB][kMaxRows][16];
+  for (int n = 0; n < NB; ++n) std::memset(facc[n], 0, sizeof(float) * 16 * M);
+  alignas(32) float sv[NB][16], ov[NB][16];
+  for (int64_t c = 0; c < a.num_chunks; ++c) {
+    const Chunk& ch = a.chunks[c];
+    for (int n = 0; n < NB; ++n)
+      for (int h = 0; h < 2; ++h) {
+        _mm256_store_ps(sv[n] + 8 * h, half_values<SF>(a, ch, a.ws, a.ws_sup, n0 + n, h));
+        if (INT4) _mm256_store_ps(ov[n] + 8 * h, half_values<SF>(a, ch, a.wo, a.wo_sup, n0 + n, h));
+      }
+    int64_t m0 = 0;
+    for (; m0 + RB <= M; m0 += RB) chunk_rows<INT4, NB, RB>(a, ch, c, n0, m0, sv, ov, facc);
+    switch (M - m0) {
+      case 1: chunk_rows<INT4, NB, 1>(a, ch, c, n0, m0, sv, ov, facc); break;
+      case 2: chunk_rows<INT4, NB, (RB > 2 ? 2 : 1)>(a, ch, c, n0, m0, sv, ov, facc); break;
+      default: break;
+    }
+  }
+  for (int n = 0; n < NB; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      const __m256 v = _mm256_add_ps(_mm256_load_ps(facc[n][m]), _mm256_load_ps(facc[n][m] + 8));
+      __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+      a.y[m * a.N + n0 + n] = _mm_cvtss_f32(s4);
+    }
+}
+
+template <bool INT4, int SF, int NB, int RB>
+void run(const Args& a, int64_t M) {
+  const int64_t full = a.N / NB;
+  at::parallel_for(0, full, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) tile<INT4, SF, NB, RB>(a, b * NB, M);
+  });
+  for (int64_t n = full * NB; n < a.N; ++n) tile<INT4, SF, 1, RB>(a, n, M);
+}
+
+template <bool INT4, int SF>
+void run_rows(const Args& a, int64_t M) {
+  if (M == 1) run<INT4, SF, 4, 1>(a, M);
+  else if (M == 2 || M == 4) run<INT4, SF, 2, 2>(a, M);
+  else run<INT4, SF, 2, 3>(a, M);
+}
+
+template <bool INT4>
+void run_format(const Args& a, int64_t M, int sf) {
+  sf == kF32 ? run_rows<INT4, kF32>(a, M) : sf == kF16 ? run_rows<INT4, kF16>(a, M) : run_rows<INT4, kTwoLevel>(a, M);
+}
+
+template <bool INT4>
+void run_all(const Args& a, int64_t M, int sf) {
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    Args part = a;
+    part.xq += m0 * a.K;
+    part.xs += m0 * a.L;
+    if (INT4) part.xsum += m0 * a.L;
+    part.y += m0 * a.N;
+    run_format<INT4>(part, std::min<int64_t>(kMaxRows, M - m0), sf);
+  }
+}
+
+// Rows of x -> s8 activations in chunk order (int8 too: the AVX2 products take them signed),
+// per-lane scales and (int4) per-lane sums.
+void quantize_rows(const float* x, int64_t M, int64_t K, const std::vector<Chunk>& chunks, bool /*int4*/,
+                   uint8_t* xq, float* xs, float* xsum) {
+  const int64_t L = 16 * static_cast<int64_t>(chunks.size());
+  std::vector<int8_t> q(K);
+  std::vector<float> bs(K / 32);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    for (int64_t b = 0; b < K / 32; ++b) {
+      __m256 v[4], amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(row + 32 * b + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float am = _mm_cvtss_f32(m4);
+      const __m256 inv = _mm256_set1_ps(am > 0.0f ? 127.0f / am : 0.0f);
+      bs[b] = am / 127.0f;
+      __m256i qi[4];
+      for (int i = 0; i < 4; ++i)
+        qi[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), lo), hi);
+      // packs work per 128-bit half: 0-3 4-7 | ... ; the permutation puts the 32 bytes back in order
+      const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
+      const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + 32 * b), p8);
+    }
+    uint8_t* out = xq + m * K;
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const int64_t c0 = chunks[c].c0, W = chunks[c].C / 16;
+      for (int l = 0; l < 16; ++l) {
+        const int64_t first = c0 + l * W;
+        xs[m * L + 16 * c + l] = bs[first / 32];
+        int32_t sum = 0;
+        for (int64_t s = 0; s < W / 4; ++s) {
+          std::memcpy(out + c0 + 64 * s + 4 * l, q.data() + first + 4 * s, 4);
+          for (int t = 0; t < 4; ++t) sum += q[first + 4 * s + t];
+        }
+        if (xsum != nullptr) xsum[m * L + 16 * c + l] = static_cast<float>(sum);
+      }
+    }
+  }
+}
+
+#endif
+
 int scale_format(const at::Tensor& scales) {
   return scales.scalar_type() == at::kFloat ? kF32 : scales.scalar_type() == at::kHalf ? kF16 : kTwoLevel;
 }
@@ -352,10 +575,13 @@ std::vector<at::Tensor> a8_quantize(const at::Tensor& x, int64_t G, bool int4) {
   at::Tensor xsum = at::zeros({M, L}, xf.options());
   quantize_rows(xf.data_ptr<float>(), M, K, chunks, int4, xq.data_ptr<uint8_t>(), xs.data_ptr<float>(),
                 int4 ? xsum.data_ptr<float>() : nullptr);
+#if !defined(__AVX512VNNI__)
+  if (!int4) xq.bitwise_xor_(0x80);  // the AVX2 path keeps int8's activations signed: + 128 as documented
+#endif
   return {xq, xs, xsum};
 }
 
-TORCH_LIBRARY(A8_LIB, m) {
+TORCH_LIBRARY(SPECDEC_LIB, m) {
   m.def("a8_linear(Tensor x, Tensor weight, Tensor scales, Tensor offsets, Tensor scales_sup, Tensor offsets_sup, "
         "int K, Tensor? bias=None) -> Tensor", &a8_linear);
   m.def("a8_quantize(Tensor x, int G, bool int4) -> Tensor[]", &a8_quantize);

@@ -1,4 +1,5 @@
-// Weight-only int8 / int4 linear for x86 CPUs with AVX-512: y[M, N] = x[M, K] @ dequant(W)[N, K]^T.
+// Weight-only int8 / int4 linear for x86 CPUs with AVX-512 or AVX2 + FMA (common.h's vf, kW lanes):
+// y[M, N] = x[M, K] @ dequant(W)[N, K]^T.
 //
 // The weight is dequantised in registers (int -> fp32, times the group scale, plus the int4 offset
 // term) and multiplied with float32 FMAs; activations stay float32 (bf16 input is widened once),
@@ -9,119 +10,120 @@
 // Each (row, output) dot product runs the same instruction sequence whatever M is and whichever
 // rows share its tile, so row i of an M-row call equals the 1-row call bit for bit. Parallel over
 // blocks of outputs (at::parallel_for); software prefetch keeps the weight stream ahead of the tile.
-#include <immintrin.h>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "common.h"
 
+#ifndef SPECDEC_LIB
+#define SPECDEC_LIB specdec_woq
+#endif
+
 namespace {
 
-constexpr int kNB = 4;  // outputs per block: independent FMA chains at M = 1
-constexpr int kMB = 4;  // rows per tile: kNB * kMB accumulators stay in registers
-constexpr int kPrefetch = 2048;  // bytes ahead in each weight row
+using namespace specdec_cpu_common;
+
+constexpr int kNB = 4;               // outputs per block: independent FMA chains at M = 1
+constexpr int kMB = kW == 16 ? 4 : 2;  // rows per tile: kNB * kMB accumulators stay in registers
+constexpr int kPrefetch = 2048;      // bytes ahead in each weight row
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kPrefetch, _MM_HINT_T0); }
-
-inline __m512 load_int8x16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
 
 // int8, one scale per group of G inputs (G % 16 == 0). Per-channel (G == K) scales once at the end.
 template <int NB, int MB>
 void int8_tile(const float* x, int64_t ldx, const int8_t* w, const float* scales, int64_t K, int64_t G,
                float* y, int64_t ldy) {
-  __m512 acc[NB][MB];
+  vf acc[NB][MB];
   for (int n = 0; n < NB; ++n)
-    for (int m = 0; m < MB; ++m) acc[n][m] = _mm512_setzero_ps();
+    for (int m = 0; m < MB; ++m) acc[n][m] = vzero();
   const int64_t num_groups = K / G;
   const bool per_channel = num_groups == 1;
   for (int64_t g = 0; g < num_groups; ++g) {
-    __m512 s[NB];
-    for (int n = 0; n < NB; ++n) s[n] = _mm512_set1_ps(per_channel ? 1.0f : scales[n * num_groups + g]);
-    for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
-      __m512 wv[NB];
+    vf s[NB];
+    for (int n = 0; n < NB; ++n) s[n] = vset1(per_channel ? 1.0f : scales[n * num_groups + g]);
+    for (int64_t k = g * G; k < (g + 1) * G; k += kW) {
+      vf wv[NB];
       for (int n = 0; n < NB; ++n) {
         if (k % 64 == 0) prefetch(w + n * K + k);
-        wv[n] = load_int8x16(w + n * K + k);
-        if (!per_channel) wv[n] = _mm512_mul_ps(wv[n], s[n]);
+        wv[n] = vload_i8(w + n * K + k);
+        if (!per_channel) wv[n] = vmul(wv[n], s[n]);
       }
       for (int m = 0; m < MB; ++m) {
-        const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
-        for (int n = 0; n < NB; ++n) acc[n][m] = _mm512_fmadd_ps(wv[n], xv, acc[n][m]);
+        const vf xv = vload(x + m * ldx + k);
+        for (int n = 0; n < NB; ++n) acc[n][m] = vfmadd(wv[n], xv, acc[n][m]);
       }
     }
   }
   for (int n = 0; n < NB; ++n)
     for (int m = 0; m < MB; ++m) {
-      const float dot = _mm512_reduce_add_ps(acc[n][m]);
+      const float dot = vreduce_add(acc[n][m]);
       y[m * ldy + n] = per_channel ? dot * scales[n] : dot;
     }
 }
 
 // int4 in Q4_0 nibble order: per 32 inputs, 16 bytes, low nibble = input j, high = input j + 16.
-// w = q * s + o: one FMA dequantises 16 weights for all rows of the tile.
+// w = q * s + o: one FMA dequantises kW weights for all rows of the tile.
 template <int NB, int MB>
 void int4_tile(const float* x, int64_t ldx, const uint8_t* w, const float* scales, const float* offsets, int64_t K,
                int64_t G, float* y, int64_t ldy) {
-  __m512 acc[NB][MB], acc_hi[NB][MB];  // two chains per dot product: inputs j and j + 16 of each block
+  vf acc[NB][MB], acc_hi[NB][MB];  // two chains per dot product: inputs j and j + 16 of each block
   for (int n = 0; n < NB; ++n)
-    for (int m = 0; m < MB; ++m) acc[n][m] = acc_hi[n][m] = _mm512_setzero_ps();
+    for (int m = 0; m < MB; ++m) acc[n][m] = acc_hi[n][m] = vzero();
   const int64_t num_groups = K / G;
-  const __m512i low4 = _mm512_set1_epi32(0xF);
   for (int64_t g = 0; g < num_groups; ++g) {
-    __m512 s[NB], zs[NB];
+    vf s[NB], zs[NB];
     for (int n = 0; n < NB; ++n) {
-      s[n] = _mm512_set1_ps(scales[n * num_groups + g]);
-      zs[n] = _mm512_set1_ps(offsets[n * num_groups + g]);
+      s[n] = vset1(scales[n * num_groups + g]);
+      zs[n] = vset1(offsets[n * num_groups + g]);
     }
     for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
-      __m512 lo[NB], hi[NB];
-      for (int n = 0; n < NB; ++n) {
-        if (k % 128 == 0) prefetch(w + n * (K / 2) + k / 2);
-        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * (K / 2) + k / 2)));
-        lo[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low4)), s[n], zs[n]);
-        hi[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s[n], zs[n]);
-      }
-      for (int m = 0; m < MB; ++m) {
-        const __m512 x0 = _mm512_loadu_ps(x + m * ldx + k);
-        const __m512 x1 = _mm512_loadu_ps(x + m * ldx + k + 16);
+      for (int h = 0; h < 16; h += kW) {  // bytes h .. h + kW - 1 of the block
+        vf lo[NB], hi[NB];
         for (int n = 0; n < NB; ++n) {
-          acc[n][m] = _mm512_fmadd_ps(lo[n], x0, acc[n][m]);
-          acc_hi[n][m] = _mm512_fmadd_ps(hi[n], x1, acc_hi[n][m]);
+          if (k % 128 == 0 && h == 0) prefetch(w + n * (K / 2) + k / 2);
+          const auto b = vload_u8_i32(w + n * (K / 2) + k / 2 + h);
+          lo[n] = vfmadd(vcvt_i32(vand_i32(b, 0xF)), s[n], zs[n]);
+          hi[n] = vfmadd(vcvt_i32(vsrl_i32(b, 4)), s[n], zs[n]);
+        }
+        for (int m = 0; m < MB; ++m) {
+          const vf x0 = vload(x + m * ldx + k + h);
+          const vf x1 = vload(x + m * ldx + k + 16 + h);
+          for (int n = 0; n < NB; ++n) {
+            acc[n][m] = vfmadd(lo[n], x0, acc[n][m]);
+            acc_hi[n][m] = vfmadd(hi[n], x1, acc_hi[n][m]);
+          }
         }
       }
     }
   }
   for (int n = 0; n < NB; ++n)
-    for (int m = 0; m < MB; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[n][m], acc_hi[n][m]));
+    for (int m = 0; m < MB; ++m) y[m * ldy + n] = vreduce_add(vadd(acc[n][m], acc_hi[n][m]));
 }
 
 // bf16 weights, float32 activations and arithmetic (CPUs without bf16 dot products): a bf16 is
-// the top half of a float32, so per 32 inputs one 64-byte load gives the even inputs as floats by
-// a 16-bit shift and the odd ones by a mask. The activations are reordered to match once per
-// call (bf16_order_x: per 32 inputs, the 16 even then the 16 odd).
+// the top half of a float32, so per 2 kW inputs one load gives the even inputs as floats by a
+// 16-bit shift and the odd ones by a mask. The activations are reordered to match once per call
+// (bf16_order_x: per 2 kW inputs, the kW even then the kW odd).
 template <int NB, int MB>
 void bf16_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
-  __m512 acc[NB][MB];
+  vf acc[NB][MB];
   for (int n = 0; n < NB; ++n)
-    for (int m = 0; m < MB; ++m) acc[n][m] = _mm512_setzero_ps();
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  for (int64_t k = 0; k < K; k += 32) {
-    __m512 we[NB], wo[NB];
+    for (int m = 0; m < MB; ++m) acc[n][m] = vzero();
+  for (int64_t k = 0; k < K; k += 2 * kW) {
+    vf we[NB], wo[NB];
     for (int n = 0; n < NB; ++n) {
-      prefetch(w + n * K + k);
-      const __m512i v = _mm512_loadu_si512(w + n * K + k);
-      we[n] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-      wo[n] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+      if (k % 32 == 0) prefetch(w + n * K + k);
+      const auto v = vload_i32(w + n * K + k);
+      we[n] = vas_float(vsll_i32(v, 16));
+      wo[n] = vas_float(vand_i32(v, static_cast<int32_t>(0xFFFF0000u)));
     }
     for (int m = 0; m < MB; ++m) {
-      const __m512 xe = _mm512_loadu_ps(x + m * ldx + k), xo = _mm512_loadu_ps(x + m * ldx + k + 16);
-      for (int n = 0; n < NB; ++n) acc[n][m] = _mm512_fmadd_ps(wo[n], xo, _mm512_fmadd_ps(we[n], xe, acc[n][m]));
+      const vf xe = vload(x + m * ldx + k), xo = vload(x + m * ldx + k + kW);
+      for (int n = 0; n < NB; ++n) acc[n][m] = vfmadd(wo[n], xo, vfmadd(we[n], xe, acc[n][m]));
     }
   }
   for (int n = 0; n < NB; ++n)
-    for (int m = 0; m < MB; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(acc[n][m]);
+    for (int m = 0; m < MB; ++m) y[m * ldy + n] = vreduce_add(acc[n][m]);
 }
 
 // Dispatch a runtime (nb, mb) to the template instance; tiles are at most kNB x kMB.
@@ -209,9 +211,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return finish(y, x, N);
 }
 
-// x [M, K] float32 -> per 32 inputs the 16 even then the 16 odd (bf16_tile's order)
+// x [M, K] float32 -> per 2 kW inputs the kW even then the kW odd (bf16_tile's order)
 at::Tensor bf16_order_x(const at::Tensor& xf, int64_t K) {
-  return xf.view({xf.size(0), K / 32, 16, 2}).transpose(2, 3).contiguous().view({xf.size(0), K});
+  return xf.view({xf.size(0), K / (2 * kW), kW, 2}).transpose(2, 3).contiguous().view({xf.size(0), K});
 }
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -231,7 +233,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   return finish(y, x, N);
 }
 
-TORCH_LIBRARY(specdec_woq, m) {
+TORCH_LIBRARY(SPECDEC_LIB, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor", &int8_linear);
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets) -> Tensor", &int4_linear);
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", &bf16_linear);
