@@ -26,7 +26,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--quantization", default=None, choices=list(QUANTIZATION_METHODS),
                    help="target weights: int8 (per channel) or int4 (groups of 128) weight-only; w8a8 / w4a8: "
-                        "the same weights with int8 activations (CPU, AVX-512 VNNI); int8_dynamic; fp8")
+                        "the same weights with int8 activations (CPU: AVX-512 VNNI or AVX2); int8_dynamic; fp8")
     g.add_argument("--speculative-config", default=None, help="JSON, e.g. '{\"method\": \"ngram\", ...}'")
     g.add_argument("--speculative-model", default=None)
     g.add_argument("--num-speculative-tokens", default=None)

@@ -10,7 +10,7 @@ DRAFTING_METHODS = ("draft_model", "eagle", "eagle3")  # a model that scores its
 MAX_SPEC_TOKENS = 16
 MAX_TREE_TOPK = 8
 MAX_TREE_NODES = 64
-# "w8a8" / "w4a8": the int8 / int4 weights of "int8" / "int4" with int8 activations (VNNI, CPU)
+# "w8a8" / "w4a8": the int8 / int4 weights of "int8" / "int4" with int8 activations (CPU: VNNI or AVX2)
 QUANTIZATION_METHODS = (None, "int8", "int4", "w8a8", "w4a8", "int8_dynamic", "fp8")
 ATTENTION_BACKENDS = ("auto", "reference", "torch", "rows", "triton")
 

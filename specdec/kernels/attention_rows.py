@@ -1,4 +1,4 @@
-"""Row-consistent paged attention for CPUs (``csrc/attention_rows.cpp``, AVX-512, float32).
+"""Row-consistent paged attention for CPUs (``csrc/attention_rows.cpp``, AVX-512 or AVX2, float32).
 
 Each (query row, head) is computed on its own over exactly the keys it may see, in key order, so
 a token's attention output does not depend on the rest of the step: not on how many rows its
@@ -6,7 +6,7 @@ request has (a one-row decode or K+1 verification rows), nor on the other reques
 padding ``paged_attention_torch`` gives them (its batched matmuls sum a row differently when the
 step's longest context or query length changes). The int8-activation linears ("w8a8" / "w4a8")
 need this: they round their inputs to int8, so one ulp of difference could change the output.
-Built on first use like ``woq_cpu``; without it (no AVX-512, a failed build,
+Built on first use like ``woq_cpu``; without it (no AVX2, a failed build,
 ``SPECDEC_DISABLE_WOQ_KERNEL=1``) or for other dtypes ``paged_attention_rows`` runs
 ``paged_attention_torch``, and speculation with int8 activations is then no longer guaranteed to
 reproduce plain decoding (warned once).

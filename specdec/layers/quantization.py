@@ -15,7 +15,7 @@
   target: speculation is lossless with respect to them.
 - ``"w8a8"`` / ``"w4a8"``: the same layers and weights with ``int8_activations``: each row of x
   is quantized to int8 per block of 32 inputs and multiplied with integer dot products
-  (``woq_format.reference_linear_a8``; the VNNI kernel ``woq_cpu.linear_a8``). A row's result
+  (``woq_format.reference_linear_a8``; the CPU kernel ``woq_cpu.linear_a8``). A row's result
   depends on that row alone, bit for bit, and the rest of the forward computes a row the same
   way in a one-row decode and in a K+1-row verification (``tests/models/test_row_consistency.py``),
   so the int8 step function sees the same input in both and speculation stays lossless. A layer
@@ -109,7 +109,7 @@ def bf16_exact(weight: torch.Tensor) -> bool:
 class WeightOnlyLinear(nn.Module):
     """``x @ dequant(W).T + b`` for an ``Int8Weight`` / ``Int4Weight`` (``specdec.kernels.woq_format``).
 
-    On CPU the AVX-512 kernel (``specdec.kernels.woq_cpu``) runs it in float32 arithmetic with the
+    On CPU the AVX-512 / AVX2 kernel (``specdec.kernels.woq_cpu``) runs it in float32 arithmetic with the
     weight dequantised in registers; elsewhere, or without the kernel, the reference (dequantise,
     then ``F.linear``). The quantized tensors are buffers, so ``.to(device)`` moves them.
     """
