@@ -63,15 +63,22 @@ def build_args(isa: str | None = None, a8: bool = False) -> tuple[str, tuple[str
 def extension(isa: str | None = None):
     """``torch.ops.specdec_woq_<isa>`` once built and loaded (``isa``: see ``build_args``), or None
     (after one warning saying why)."""
-    return _extension(*build_args(isa))
+    return _load("woq", *build_args(isa))
+
+
+# kernel -> (source, what it is, what runs without it)
+_KERNELS = {
+    "woq": ("woq_linear.cpp", "the int8/int4 CPU kernel", "int8/int4 weights use the slow pure-torch path"),
+    "woq_a8": ("woq_a8.cpp", "the int8-activation CPU kernel", "int8 activations use the slow pure-torch path"),
+}
 
 
 @functools.lru_cache(maxsize=None)
-def _extension(isa: str, flags: tuple[str, ...], needs: tuple[str, ...]):
-    ns = f"specdec_woq_{isa}"
-    return cpp_build.load_ops(ns, "woq_linear.cpp", ns, ["-O3", *flags, f"-DSPECDEC_LIB={ns}"],
-                              needs=needs, what="the int8/int4 CPU kernel", disable_env=DISABLE_ENV,
-                              fallback="int8/int4 weights use the slow pure-torch path")
+def _load(kernel: str, isa: str, flags: tuple[str, ...], needs: tuple[str, ...]):
+    source, what, fallback = _KERNELS[kernel]
+    ns = f"specdec_{kernel}_{isa}"
+    return cpp_build.load_ops(ns, source, ns, ["-O3", *flags, f"-DSPECDEC_LIB={ns}"], needs=needs, what=what,
+                              disable_env=DISABLE_ENV, fallback=fallback)
 
 
 def available() -> bool:
@@ -140,15 +147,7 @@ def _widen_buffer(elements: int) -> torch.Tensor:
 def extension_a8(isa: str | None = None):
     """``torch.ops.specdec_woq_a8_<isa>`` (the int8-activation kernel) once built, or None (after one
     warning saying why: ``linear_a8`` then runs ``woq_format.reference_linear_a8``, much slower)."""
-    return _extension_a8(*build_args(isa, a8=True))
-
-
-@functools.lru_cache(maxsize=None)
-def _extension_a8(isa: str, flags: tuple[str, ...], needs: tuple[str, ...]):
-    ns = f"specdec_woq_a8_{isa}"
-    return cpp_build.load_ops(ns, "woq_a8.cpp", ns, ["-O3", *flags, f"-DSPECDEC_LIB={ns}"],
-                              needs=needs, what="the int8-activation CPU kernel", disable_env=DISABLE_ENV,
-                              fallback="int8 activations use the slow pure-torch path")
+    return _load("woq_a8", *build_args(isa, a8=True))
 
 
 def a8_chunks(k: int, group_size: int = 32) -> list[tuple[int, int]]:

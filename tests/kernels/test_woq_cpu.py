@@ -116,7 +116,7 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
 
     monkeypatch.setattr(cpp_build, "cpu_flags", lambda: frozenset(woq_cpu.ISAS["avx512"][1] + woq_cpu.ISAS["avx2"][1]))
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    woq_cpu._extension.cache_clear()
+    woq_cpu._load.cache_clear()
     try:
         with pytest.warns(UserWarning, match="could not build the int8/int4 CPU kernel.*c\\+\\+"):
             assert woq_cpu.extension() is None
@@ -127,7 +127,7 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
             x = torch.randn(1, 64)
             assert torch.equal(woq_cpu.linear(x, weight), reference_linear(x, weight))
     finally:
-        woq_cpu._extension.cache_clear()
+        woq_cpu._load.cache_clear()
 
 
 # ---- int8 activations (w8a8 / w4a8): csrc/woq_a8.cpp against woq_format.reference_linear_a8 ----

@@ -115,6 +115,8 @@ struct Args {
 // Python side stores a compact form only where it is exact), so the result does not depend on it.
 enum ScaleFormat { kF32 = 0, kF16 = 1, kTwoLevel = 2 };
 
+constexpr int kMaxRows = 9;  // rows per kernel pass; more rows run as passes of these
+
 #if defined(__AVX512VNNI__)
 
 // The chunk's group values (lane j = group g0 + j) of output n.
@@ -235,20 +237,6 @@ void run_format(const Args& a, int64_t M, int sf) {
   sf == kF32 ? run_rows<INT4, kF32>(a, M) : sf == kF16 ? run_rows<INT4, kF16>(a, M) : run_rows<INT4, kTwoLevel>(a, M);
 }
 
-template <bool INT4>
-void run_all(const Args& a, int64_t M, int sf) {
-  // more rows: blocks of kMaxRows with their own Args offsets, the remainder last
-  constexpr int64_t kMaxRows = 9;
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-    Args part = a;
-    part.xq += m0 * a.K;
-    part.xs += m0 * a.L;
-    if (INT4) part.xsum += m0 * a.L;
-    part.y += m0 * a.N;
-    run_format<INT4>(part, std::min(kMaxRows, M - m0), sf);
-  }
-}
-
 // Rows of x -> activations in chunk order, per-lane scales and (int4) per-lane sums.
 void quantize_rows(const float* x, int64_t M, int64_t K, const std::vector<Chunk>& chunks, bool int4, uint8_t* xq,
                    float* xs, float* xsum) {
@@ -331,8 +319,6 @@ __attribute__((always_inline)) inline __m256 half_values(const Args& a, const Ch
                                          _mm256_set1_epi32(static_cast<int32_t>(first)));
   return _mm256_permutevar8x32_ps(vals, lanes);
 }
-
-constexpr int kMaxRows = 9;
 
 // One chunk, outputs n0 .. n0 + NB - 1, rows m0 .. m0 + RB - 1: integer dot products per lane,
 // then facc[n][m] += xs * (ws * I (+ wo * xsum)) per lane. The activations are s8 (int8 too).
@@ -438,18 +424,6 @@ void run_format(const Args& a, int64_t M, int sf) {
   sf == kF32 ? run_rows<INT4, kF32>(a, M) : sf == kF16 ? run_rows<INT4, kF16>(a, M) : run_rows<INT4, kTwoLevel>(a, M);
 }
 
-template <bool INT4>
-void run_all(const Args& a, int64_t M, int sf) {
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-    Args part = a;
-    part.xq += m0 * a.K;
-    part.xs += m0 * a.L;
-    if (INT4) part.xsum += m0 * a.L;
-    part.y += m0 * a.N;
-    run_format<INT4>(part, std::min<int64_t>(kMaxRows, M - m0), sf);
-  }
-}
-
 // Rows of x -> s8 activations in chunk order (int8 too: the AVX2 products take them signed),
 // per-lane scales and (int4) per-lane sums.
 void quantize_rows(const float* x, int64_t M, int64_t K, const std::vector<Chunk>& chunks, bool /*int4*/,
@@ -500,6 +474,19 @@ void quantize_rows(const float* x, int64_t M, int64_t K, const std::vector<Chunk
 }
 
 #endif
+
+// more rows: passes of kMaxRows with their own Args offsets, the remainder last
+template <bool INT4>
+void run_all(const Args& a, int64_t M, int sf) {
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    Args part = a;
+    part.xq += m0 * a.K;
+    part.xs += m0 * a.L;
+    if (INT4) part.xsum += m0 * a.L;
+    part.y += m0 * a.N;
+    run_format<INT4>(part, std::min<int64_t>(kMaxRows, M - m0), sf);
+  }
+}
 
 int scale_format(const at::Tensor& scales) {
   return scales.scalar_type() == at::kFloat ? kF32 : scales.scalar_type() == at::kHalf ? kF16 : kTwoLevel;
