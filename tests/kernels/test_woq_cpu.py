@@ -357,3 +357,20 @@ def test_a_module_s_cached_kernel_arguments_follow_its_buffers():
     twin.a8_offsets.zero_() if twin.a8_offsets.dtype != torch.int8 else twin.a8_offset_factors.zero_()
     assert torch.equal(twin(x), linear.bias.detach().expand(2, 37))
     assert torch.equal(module(x), before)
+
+
+def test_the_kernels_are_built_for_the_best_instruction_set_the_cpu_runs(monkeypatch):
+    avx512, avx2 = woq_cpu.ISAS["avx512"][1], woq_cpu.ISAS["avx2"][1]
+    monkeypatch.delenv(woq_cpu.ISA_ENV, raising=False)
+    monkeypatch.setattr(cpp_build, "cpu_flags", lambda: frozenset(avx512 + avx2))
+    assert woq_cpu.cpu_isas() == ["avx512", "avx2"]
+    assert woq_cpu.cpu_isas(a8=True) == ["avx2"]  # AVX-512 without VNNI: the int8-activation kernel's AVX2 form
+    isa, flags, needs = woq_cpu.build_args(a8=True)
+    assert isa == "avx2" and "-mavx2" in flags and "avx512_vnni" not in needs
+    monkeypatch.setattr(cpp_build, "cpu_flags", lambda: frozenset(avx2))
+    assert woq_cpu.build_args()[0] == "avx2"
+    monkeypatch.setattr(cpp_build, "cpu_flags", lambda: frozenset({"sse4_2"}))
+    assert woq_cpu.cpu_isas() == [] and woq_cpu.build_args()[0] == "avx512"  # its warning names what is missing
+    monkeypatch.setenv(woq_cpu.ISA_ENV, "neon")
+    with pytest.raises(ValueError, match="SPECDEC_CPU_ISA='neon'"):
+        woq_cpu.build_args()

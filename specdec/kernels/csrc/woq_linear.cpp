@@ -23,8 +23,6 @@ namespace {
 
 using namespace specdec_cpu_common;
 
-constexpr int kNB = 4;               // outputs per block: independent FMA chains at M = 1
-constexpr int kMB = kW == 16 ? 4 : 2;  // rows per tile: kNB * kMB accumulators stay in registers
 constexpr int kPrefetch = 2048;      // bytes ahead in each weight row
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kPrefetch, _MM_HINT_T0); }
@@ -126,11 +124,11 @@ void bf16_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float*
     for (int m = 0; m < MB; ++m) y[m * ldy + n] = vreduce_add(acc[n][m]);
 }
 
-// Dispatch a runtime (nb, mb) to the template instance; tiles are at most kNB x kMB.
-template <int NB, typename F>
+// Dispatch a runtime (nb, mb) to the template instance; tiles are at most MaxNB x MaxMB.
+template <int NB, int MaxMB, typename F>
 void rows_loop(int64_t M, F&& tile) {
   int64_t m = 0;
-  for (; m + kMB <= M; m += kMB) tile(std::integral_constant<int, NB>{}, std::integral_constant<int, kMB>{}, m);
+  for (; m + MaxMB <= M; m += MaxMB) tile(std::integral_constant<int, NB>{}, std::integral_constant<int, MaxMB>{}, m);
   switch (M - m) {
     case 1: tile(std::integral_constant<int, NB>{}, std::integral_constant<int, 1>{}, m); break;
     case 2: tile(std::integral_constant<int, NB>{}, std::integral_constant<int, 2>{}, m); break;
@@ -139,20 +137,30 @@ void rows_loop(int64_t M, F&& tile) {
   }
 }
 
-template <int MaxNB, typename F>
+template <int MaxNB, int MaxMB, typename F>
 void blocks_loop(int64_t M, int64_t N, F&& tile) {
   const int64_t num_blocks = (N + MaxNB - 1) / MaxNB;
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * MaxNB;
+      auto at_n0 = [&](auto nb, auto mb, int64_t m0) { tile(nb, mb, n0, m0); };
       switch (std::min<int64_t>(MaxNB, N - n0)) {
-        case 4: rows_loop<4>(M, [&](auto nb, auto mb, int64_t m0) { tile(nb, mb, n0, m0); }); break;
-        case 3: rows_loop<3>(M, [&](auto nb, auto mb, int64_t m0) { tile(nb, mb, n0, m0); }); break;
-        case 2: rows_loop<2>(M, [&](auto nb, auto mb, int64_t m0) { tile(nb, mb, n0, m0); }); break;
-        default: rows_loop<1>(M, [&](auto nb, auto mb, int64_t m0) { tile(nb, mb, n0, m0); }); break;
+        case 4: rows_loop<4, MaxMB>(M, at_n0); break;
+        case 3: rows_loop<3, MaxMB>(M, at_n0); break;
+        case 2: rows_loop<2, MaxMB>(M, at_n0); break;
+        default: rows_loop<1, MaxMB>(M, at_n0); break;
       }
     }
   });
+}
+
+// The tile shapes: AVX-512 (32 registers) 4 outputs x 4 rows; AVX2 (16) 4 outputs at one row (four
+// independent FMA chains), else 2 outputs x 3 rows (each weight widened once for three rows).
+template <typename F>
+void float_blocks(int64_t M, int64_t N, F&& tile) {
+  if (kW == 16) blocks_loop<4, 4>(M, N, tile);
+  else if (M == 1) blocks_loop<4, 1>(M, N, tile);
+  else blocks_loop<2, 3>(M, N, tile);
 }
 
 at::Tensor as_float_rows(const at::Tensor& x, int64_t K) {
@@ -181,7 +189,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ng = K / G;
-  blocks_loop<kNB>(M, N, [&](auto nb, auto mb, int64_t n0, int64_t m0) {
+  float_blocks(M, N, [&](auto nb, auto mb, int64_t n0, int64_t m0) {
     int8_tile<decltype(nb)::value, decltype(mb)::value>(xp + m0 * K, K, wp + n0 * K, sp + n0 * ng, K, G,
                                                        yp + m0 * N + n0, N);
   });
@@ -204,7 +212,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const float* zp = offsets.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ng = K / G;
-  blocks_loop<2>(M, N, [&](auto nb, auto mb, int64_t n0, int64_t m0) {  // 4 x 2 x 4 accumulators
+  blocks_loop<2, kW == 16 ? 4 : 2>(M, N, [&](auto nb, auto mb, int64_t n0, int64_t m0) {  // 2 x 2 x MB accumulators
     int4_tile<decltype(nb)::value, decltype(mb)::value>(xp + m0 * K, K, wp + n0 * (K / 2), sp + n0 * ng,
                                                        zp + n0 * ng, K, G, yp + m0 * N + n0, N);
   });
@@ -226,7 +234,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   const float* xp = xf.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   float* yp = y.data_ptr<float>();
-  blocks_loop<kNB>(M, N, [&](auto nb, auto mb, int64_t n0, int64_t m0) {
+  float_blocks(M, N, [&](auto nb, auto mb, int64_t n0, int64_t m0) {
     bf16_tile<decltype(nb)::value, decltype(mb)::value>(xp + m0 * K, K, wp + n0 * K, K, yp + m0 * N + n0, N);
   });
   specdec_cpu_common::add_bias(y, bias);
