@@ -71,6 +71,10 @@ struct Chunk {
   alignas(64) int32_t super_of_group[16];  // group (relative to g0) -> its super-block, relative to sb0
   int32_t num_supers;                      // the super-blocks the chunk touches, from sb0
   bool identity;                           // lane l is group l (a lane's inputs are one whole group)
+  // AVX2, per half h of the lanes: the super-block of its first group (relative to sb0) and, for
+  // the 8 groups from that first one, each one's super-block relative to it
+  int32_t half_super[2];
+  alignas(32) int32_t half_super_of_group[2][8];
 };
 
 // S: inputs per super-block of two-level scales (0: none)
@@ -90,6 +94,12 @@ std::vector<Chunk> make_chunks(int64_t K, int64_t G, int64_t S = 0) {
     for (int j = 0; j < c.num_groups && S > 0; ++j) c.super_of_group[j] = static_cast<int32_t>((c0 + j * G) / S - c.sb0);
     c.num_supers = c.super_of_group[c.num_groups - 1] + 1;
     c.identity = c.num_groups == 16;
+    for (int h = 0; h < 2; ++h) {
+      const int32_t first = c.group_of_lane[8 * h];
+      c.half_super[h] = c.super_of_group[first];
+      for (int j = 0; j < 8; ++j)
+        c.half_super_of_group[h][j] = first + j < c.num_groups ? c.super_of_group[first + j] - c.half_super[h] : 0;
+    }
     out.push_back(c);
     c0 += C;
   }
@@ -306,12 +316,9 @@ __attribute__((always_inline)) inline __m256 half_values(const Args& a, const Ch
   if (SF == kF32) vals = load8(static_cast<const float*>(v), pos, total);
   else if (SF == kF16) vals = load8(static_cast<const uint16_t*>(v), pos, total);
   else {
-    alignas(32) int32_t sidx[8];
-    const int32_t s_first = ch.super_of_group[first];
-    for (int j = 0; j < 8; ++j)
-      sidx[j] = first + j < ch.num_groups ? ch.super_of_group[first + j] - s_first : 0;
-    const __m256 factors = _mm256_permutevar8x32_ps(load8(sup, n * a.nsb + ch.sb0 + s_first, a.N * a.nsb),
-                                                    _mm256_load_si256(reinterpret_cast<const __m256i*>(sidx)));
+    const __m256 factors = _mm256_permutevar8x32_ps(
+        load8(sup, n * a.nsb + ch.sb0 + ch.half_super[h], a.N * a.nsb),
+        _mm256_load_si256(reinterpret_cast<const __m256i*>(ch.half_super_of_group[h])));
     vals = _mm256_mul_ps(load8(static_cast<const int8_t*>(v), pos, total), factors);
   }
   if (ch.identity) return vals;
