@@ -141,7 +141,7 @@ __attribute__((always_inline)) inline __m512 group_values(const Args& a, const C
   const __m512 mult = _mm512_cvtepi32_ps(
       _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(groups, static_cast<const int8_t*>(v) + base)));
   const __mmask16 supers = static_cast<__mmask16>((1u << ch.num_supers) - 1);
-  const __m512 factor = _mm512_permutexvar_ps(_mm512_load_si512(ch.super_of_group),
+  const __m512 factor = _mm512_permutexvar_ps(_mm512_loadu_si512(ch.super_of_group),
                                               _mm512_maskz_loadu_ps(supers, sup + n * a.nsb + ch.sb0));
   return _mm512_mul_ps(mult, factor);
 }
@@ -191,8 +191,8 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
     }
     __m512 sv[NB], ov[NB];
     for (int n = 0; n < NB; ++n) {
-      sv[n] = _mm512_permutexvar_ps(_mm512_load_si512(ch.group_of_lane), group_values<SF>(a, ch, a.ws, a.ws_sup, n0 + n));
-      if (INT4) ov[n] = _mm512_permutexvar_ps(_mm512_load_si512(ch.group_of_lane), group_values<SF>(a, ch, a.wo, a.wo_sup, n0 + n));
+      sv[n] = _mm512_permutexvar_ps(_mm512_loadu_si512(ch.group_of_lane), group_values<SF>(a, ch, a.ws, a.ws_sup, n0 + n));
+      if (INT4) ov[n] = _mm512_permutexvar_ps(_mm512_loadu_si512(ch.group_of_lane), group_values<SF>(a, ch, a.wo, a.wo_sup, n0 + n));
       else wsum[n] = _mm512_slli_epi32(wsum[n], 7);
     }
     for (int m = 0; m < MB; ++m) {
