@@ -1,4 +1,5 @@
-"""The int8 / int4 CPU kernels (each instruction set this CPU runs: ``kernel_isa``) against its pure-torch reference (woq_format.reference_linear).
+"""The int8 / int4 CPU kernels (each instruction set this CPU runs: ``kernel_isa``) against their
+pure-torch reference (woq_format.reference_linear).
 
 Tolerance, float32: kernel and reference dequantise each weight with at most two roundings and
 sum the K products in different orders, so both lie within the standard bound for a float32 dot

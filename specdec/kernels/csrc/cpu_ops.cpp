@@ -33,13 +33,12 @@ inline float row_inv_rms(const float* v, int64_t n, float eps) {
 void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
 #if defined(__AVX512F__) || defined(__AVX2__)
   using namespace specdec_cpu_common;
-  const vf one = vset1(1.0f);
-  for (int64_t i = 0; i < n; i += kW) {
-    const bool full = n - i >= kW;
-    const vmask m = vtail(full ? 0 : n - i);
-    const vf gv = full ? vload(g + i) : vload_mask(m, g + i), uv = full ? vload(u + i) : vload_mask(m, u + i);
-    const vf o_v = vmul(vdiv(gv, vadd(one, exp_ps(vsub(vzero(), gv)))), uv);
-    full ? vstore(o + i, o_v) : vstore_mask(m, o + i, o_v);
+  auto silu_mul = [](vf gv, vf uv) { return vmul(vdiv(gv, vadd(vset1(1.0f), exp_ps(vsub(vzero(), gv)))), uv); };
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) vstore(o + i, silu_mul(vload(g + i), vload(u + i)));
+  if (i < n) {
+    const vmask m = vtail(n - i);
+    vstore_mask(m, o + i, silu_mul(vload_mask(m, g + i), vload_mask(m, u + i)));
   }
 #else
   for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];

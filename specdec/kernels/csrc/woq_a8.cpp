@@ -401,13 +401,9 @@ void tile(const Args& a, int64_t n0, int64_t M) {
     }
   }
   for (int n = 0; n < NB; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      const __m256 v = _mm256_add_ps(_mm256_load_ps(facc[n][m]), _mm256_load_ps(facc[n][m] + 8));
-      __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-      s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-      s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-      a.y[m * a.N + n0 + n] = _mm_cvtss_f32(s4);
-    }
+    for (int64_t m = 0; m < M; ++m)
+      a.y[m * a.N + n0 + n] = specdec_cpu_common::vreduce_add(
+          _mm256_add_ps(_mm256_load_ps(facc[n][m]), _mm256_load_ps(facc[n][m] + 8)));
 }
 
 template <bool INT4, int SF, int NB, int RB>

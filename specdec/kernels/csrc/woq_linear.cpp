@@ -155,7 +155,7 @@ void blocks_loop(int64_t M, int64_t N, F&& tile) {
 }
 
 // The tile shapes: 4 outputs (independent FMA chains at one row) x 4 rows on AVX-512 (32
-// registers), x 2 rows on AVX2 (16; 2 outputs x 3 rows measured no faster at 6 rows)
+// registers), x 2 rows on AVX2 (16)
 template <typename F>
 void float_blocks(int64_t M, int64_t N, F&& tile) {
   blocks_loop<4, kW == 16 ? 4 : 2>(M, N, tile);
