@@ -56,8 +56,8 @@ namespace {
 #ifndef A8_NB9
 #define A8_NB9 2
 #endif
-#ifndef A8_PREFETCH_STEPS
-#define A8_PREFETCH_STEPS 64  // steps of 64 inputs ahead in each weight row (int8: 4 KB, int4: 2 KB)
+#ifndef A8_PREFETCH_BYTES
+#define A8_PREFETCH_BYTES 16384  // how far ahead of a tile's position in the weight stream to prefetch
 #endif
 #ifndef SPECDEC_LIB
 #define SPECDEC_LIB specdec_woq_a8
@@ -127,6 +127,15 @@ enum ScaleFormat { kF32 = 0, kF16 = 1, kTwoLevel = 2 };
 
 constexpr int kMaxRows = 9;  // rows per kernel pass; more rows run as passes of these
 
+// A tile's rows are adjacent in memory and it reads `bytes` of them per step, at `offset` from
+// its first row: prefetch as many bytes a fixed distance further, into L2, so the memory sees
+// one sequential stream per thread (each row's own stream is too short for the hardware
+// prefetcher to follow). Prefetches past the end of the weight are harmless hints.
+__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* tile, int64_t offset, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(tile) + A8_PREFETCH_BYTES + offset;
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
+}
+
 #if defined(__AVX512VNNI__)
 
 // The chunk's group values (lane j = group g0 + j) of output n.
@@ -168,6 +177,7 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
   // float accumulators live in memory (L1): touched once per chunk, they leave the registers to
   // the integer accumulators of the inner loop
   alignas(64) float facc_mem[NB][MB][16] = {};
+  constexpr int64_t step_bytes = INT4 ? 32 : 64;  // one row's weights per step of 64 inputs
   for (int64_t c = 0; c < a.num_chunks; ++c) {
     const Chunk& ch = a.chunks[c];
     __m512i iacc[NB][MB], wsum[NB];
@@ -176,10 +186,9 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
       for (int m = 0; m < MB; ++m) iacc[n][m] = _mm512_setzero_si512();
     }
     for (int64_t k = ch.c0; k < ch.c0 + ch.C; k += 64) {
+      prefetch_ahead(a.w + n0 * step_bytes * (a.K / 64), (k / 64) * NB * step_bytes, NB * step_bytes);
       __m512i w[NB];
       for (int n = 0; n < NB; ++n) {
-        const uint8_t* row = a.w + (n0 + n) * (INT4 ? a.K / 2 : a.K) + (INT4 ? k / 2 : k);
-        _mm_prefetch(reinterpret_cast<const char*>(row + A8_PREFETCH_STEPS * (INT4 ? 32 : 64)), _MM_HINT_T0);
         w[n] = load_weights<INT4>(a, n0 + n, k);
         if (!INT4) dpbusd(wsum[n], ones, w[n]);
       }
@@ -190,9 +199,14 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
       }
     }
     __m512 sv[NB], ov[NB];
+    const __m512i lane_group = _mm512_loadu_si512(ch.group_of_lane);
     for (int n = 0; n < NB; ++n) {
-      sv[n] = _mm512_permutexvar_ps(_mm512_loadu_si512(ch.group_of_lane), group_values<SF>(a, ch, a.ws, a.ws_sup, n0 + n));
-      if (INT4) ov[n] = _mm512_permutexvar_ps(_mm512_loadu_si512(ch.group_of_lane), group_values<SF>(a, ch, a.wo, a.wo_sup, n0 + n));
+      sv[n] = group_values<SF>(a, ch, a.ws, a.ws_sup, n0 + n);
+      if (!ch.identity) sv[n] = _mm512_permutexvar_ps(lane_group, sv[n]);
+      if (INT4) {
+        ov[n] = group_values<SF>(a, ch, a.wo, a.wo_sup, n0 + n);
+        if (!ch.identity) ov[n] = _mm512_permutexvar_ps(lane_group, ov[n]);
+      }
       else wsum[n] = _mm512_slli_epi32(wsum[n], 7);
     }
     for (int m = 0; m < MB; ++m) {
@@ -337,10 +351,11 @@ __attribute__((always_inline)) inline void chunk_rows(const Args& a, const Chunk
   __m256i acc[NB][RB][2];
   for (int n = 0; n < NB; ++n)
     for (int m = 0; m < RB; ++m) acc[n][m][0] = acc[n][m][1] = _mm256_setzero_si256();
+  constexpr int64_t step_bytes = INT4 ? 32 : 64;
   for (int64_t k = ch.c0; k < ch.c0 + ch.C; k += 64) {
+    prefetch_ahead(a.w + n0 * step_bytes * (a.K / 64), (k / 64) * NB * step_bytes, NB * step_bytes);
     for (int n = 0; n < NB; ++n) {
       const uint8_t* row = a.w + (n0 + n) * (INT4 ? a.K / 2 : a.K) + (INT4 ? k / 2 : k);
-      _mm_prefetch(reinterpret_cast<const char*>(row + A8_PREFETCH_STEPS * (INT4 ? 32 : 64)), _MM_HINT_T0);
       if (INT4) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
         const __m256i w0 = _mm256_and_si256(v, low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
