@@ -54,14 +54,14 @@ echo "[build_llama_cpp] built in $((t1 - t0)) s: $SRC/build/bin"
 ls -la "$SRC/build/bin"
 
 # 4. bf16 and Q8_0 GGUFs of the target (cached). convert_hf_to_gguf.py imports sentencepiece even
-# for BPE vocabularies: a small venv on top of this python's packages carries it (the system
-# python is left as it is); `specdec bench peers` converts with that venv too.
+# for BPE vocabularies: it goes into a folder of its own put on this python's path for the
+# conversion only (this python's packages, torch included, left as they are); `specdec bench
+# peers` converts with that folder too.
 if [ "${SKIP_GGUF:-0}" != 1 ]; then
   mkdir -p "$GGUF_DIR"
-  CVENV=$PEERS_DIR/convert-venv
-  if ! "$CVENV/bin/python" -c "import sentencepiece" 2>/dev/null; then
-    "$PY" -m venv --system-site-packages "$CVENV"
-    "$CVENV/bin/python" -m pip install -q sentencepiece
+  CSITE=$PEERS_DIR/convert-site
+  if ! PYTHONPATH="$CSITE" "$PY" -c "import sentencepiece" 2>/dev/null; then
+    "$PY" -m pip install -q --target "$CSITE" sentencepiece
   fi
   for name in ${GGUF_MODELS:-Qwen2.5-Coder-1.5B-Instruct}; do
     hf=$MODELS_DIR/$name
@@ -69,7 +69,7 @@ if [ "${SKIP_GGUF:-0}" != 1 ]; then
     q8=$GGUF_DIR/$name-Q8_0.gguf
     if [ ! -d "$hf" ]; then echo "[build_llama_cpp] no $hf: skipping its GGUFs"; continue; fi
     if [ ! -f "$bf16" ]; then
-      PYTHONPATH="$SRC/gguf-py${PYTHONPATH:+:$PYTHONPATH}" "$CVENV/bin/python" "$SRC/convert_hf_to_gguf.py" \
+      PYTHONPATH="$SRC/gguf-py:$CSITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$SRC/convert_hf_to_gguf.py" \
         "$hf" --outtype bf16 --outfile "$bf16.tmp" && mv "$bf16.tmp" "$bf16"
     fi
     if [ ! -f "$q8" ]; then

@@ -42,8 +42,13 @@ def cpu_isas(a8: bool = False) -> list[str]:
     """The instruction sets of ``ISAS`` this CPU runs, best first (``a8``: for the int8-activation
     kernel, whose AVX-512 form also needs VNNI)."""
     flags = cpp_build.cpu_flags()
-    return [isa for isa, (_, needs) in ISAS.items()
-            if set(needs) <= flags and (not a8 or set(A8_EXTRA.get(isa, ((), ()))[1]) <= flags)]
+    return list(_isas(flags, a8))
+
+
+@functools.lru_cache(maxsize=None)  # asked on every attention call
+def _isas(flags: frozenset[str], a8: bool) -> tuple[str, ...]:
+    return tuple(isa for isa, (_, needs) in ISAS.items()
+                 if set(needs) <= flags and (not a8 or set(A8_EXTRA.get(isa, ((), ()))[1]) <= flags))
 
 
 def build_args(isa: str | None = None, a8: bool = False) -> tuple[str, tuple[str, ...], tuple[str, ...]]:

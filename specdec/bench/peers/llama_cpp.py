@@ -86,14 +86,13 @@ def converted_gguf(model_dir: str, kind: str, bin_dir: Path | None, log) -> tupl
     if src is None:
         return None, "no llama.cpp source tree with convert_hf_to_gguf.py next to the binaries"
     out_dir.mkdir(parents=True, exist_ok=True)
-    # scripts/build_llama_cpp.sh's venv carries sentencepiece, which the converter imports
-    venv = peers_dir() / "convert-venv" / "bin" / "python"
-    python = str(venv) if venv.is_file() else sys.executable
+    # scripts/build_llama_cpp.sh puts sentencepiece, which the converter imports, in convert-site
+    site = peers_dir() / "convert-site"
     if not bf16.is_file():
         log(f"converting {model_dir} to {bf16} (once)")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(src / "gguf-py"),
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(src / "gguf-py"), str(site),
                                                                         os.environ.get("PYTHONPATH")])))
-        r = subprocess.run([python, str(src / "convert_hf_to_gguf.py"), model_dir, "--outtype", "bf16",
+        r = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), model_dir, "--outtype", "bf16",
                             "--outfile", str(bf16) + ".tmp"], env=env, capture_output=True, text=True)
         if r.returncode != 0:
             return None, f"convert_hf_to_gguf.py failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}"
