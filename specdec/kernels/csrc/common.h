@@ -6,6 +6,7 @@
 //   exp_ps(x)           exp, x clamped to [-87, 88]: the same instructions for every element
 //   rotate_half(...)    one head's rotate-half rotary
 //   add_bias(y, bias)   y [M, N] += bias [N], row by row
+//   prefetch_stream(...) a weight tile's rows read as one sequential stream, prefetched ahead
 #pragma once
 
 #include <torch/extension.h>
@@ -122,6 +123,20 @@ inline void rotate_half(const float* x, const float* c, const float* s, float* o
     o[half + i] = x[half + i] * c[i] + x[i] * s[i];
   }
 }
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+constexpr int64_t kStreamAhead = 16384;  // bytes
+
+// A tile of a row-major weight reads its NB adjacent rows together, `bytes` of them per step, the
+// step starting `offset` bytes into the tile's block of rows (its first row at `tile`): prefetch
+// as many bytes kStreamAhead further, into L2, so the memory sees one sequential stream per
+// thread (each row's own stream, a few hundred bytes to a few KB, is too short for the hardware
+// prefetcher to follow). Prefetches past the end of the weight are harmless hints.
+inline void prefetch_stream(const void* tile, int64_t offset, int64_t bytes) {
+  const char* p = static_cast<const char*>(tile) + kStreamAhead + offset;
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
+}
+#endif
 
 inline void add_bias(at::Tensor& y, const c10::optional<at::Tensor>& bias) {
   if (!bias.has_value() || !bias->defined()) return;

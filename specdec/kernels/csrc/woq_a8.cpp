@@ -56,9 +56,6 @@ namespace {
 #ifndef A8_NB9
 #define A8_NB9 2
 #endif
-#ifndef A8_PREFETCH_BYTES
-#define A8_PREFETCH_BYTES 16384  // how far ahead of a tile's position in the weight stream to prefetch
-#endif
 #ifndef SPECDEC_LIB
 #define SPECDEC_LIB specdec_woq_a8
 #endif
@@ -127,14 +124,6 @@ enum ScaleFormat { kF32 = 0, kF16 = 1, kTwoLevel = 2 };
 
 constexpr int kMaxRows = 9;  // rows per kernel pass; more rows run as passes of these
 
-// A tile's rows are adjacent in memory and it reads `bytes` of them per step, at `offset` from
-// its first row: prefetch as many bytes a fixed distance further, into L2, so the memory sees
-// one sequential stream per thread (each row's own stream is too short for the hardware
-// prefetcher to follow). Prefetches past the end of the weight are harmless hints.
-__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* tile, int64_t offset, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(tile) + A8_PREFETCH_BYTES + offset;
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
-}
 
 #if defined(__AVX512VNNI__)
 
@@ -186,7 +175,7 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
       for (int m = 0; m < MB; ++m) iacc[n][m] = _mm512_setzero_si512();
     }
     for (int64_t k = ch.c0; k < ch.c0 + ch.C; k += 64) {
-      prefetch_ahead(a.w + n0 * step_bytes * (a.K / 64), (k / 64) * NB * step_bytes, NB * step_bytes);
+      specdec_cpu_common::prefetch_stream(a.w + n0 * step_bytes * (a.K / 64), (k / 64) * NB * step_bytes, NB * step_bytes);
       __m512i w[NB];
       for (int n = 0; n < NB; ++n) {
         w[n] = load_weights<INT4>(a, n0 + n, k);
@@ -353,7 +342,7 @@ __attribute__((always_inline)) inline void chunk_rows(const Args& a, const Chunk
     for (int m = 0; m < RB; ++m) acc[n][m][0] = acc[n][m][1] = _mm256_setzero_si256();
   constexpr int64_t step_bytes = INT4 ? 32 : 64;
   for (int64_t k = ch.c0; k < ch.c0 + ch.C; k += 64) {
-    prefetch_ahead(a.w + n0 * step_bytes * (a.K / 64), (k / 64) * NB * step_bytes, NB * step_bytes);
+    specdec_cpu_common::prefetch_stream(a.w + n0 * step_bytes * (a.K / 64), (k / 64) * NB * step_bytes, NB * step_bytes);
     for (int n = 0; n < NB; ++n) {
       const uint8_t* row = a.w + (n0 + n) * (INT4 ? a.K / 2 : a.K) + (INT4 ? k / 2 : k);
       if (INT4) {

@@ -9,7 +9,7 @@
 // verification and a one-row decode then flip int8 roundings and greedy speculation drifts.
 // Each (row, output) dot product runs the same instruction sequence whatever M is and whichever
 // rows share its tile, so row i of an M-row call equals the 1-row call bit for bit. Parallel over
-// blocks of outputs (at::parallel_for); software prefetch keeps the weight stream ahead of the tile.
+// blocks of outputs (at::parallel_for); software prefetch keeps the weight stream ahead of the tile (prefetch_stream).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -22,10 +22,6 @@
 namespace {
 
 using namespace specdec_cpu_common;
-
-constexpr int kPrefetch = 2048;      // bytes ahead in each weight row
-
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kPrefetch, _MM_HINT_T0); }
 
 // int8, one scale per group of G inputs (G % 16 == 0). Per-channel (G == K) scales once at the end.
 template <int NB, int MB>
@@ -40,9 +36,9 @@ void int8_tile(const float* x, int64_t ldx, const int8_t* w, const float* scales
     vf s[NB];
     for (int n = 0; n < NB; ++n) s[n] = vset1(per_channel ? 1.0f : scales[n * num_groups + g]);
     for (int64_t k = g * G; k < (g + 1) * G; k += kW) {
+      prefetch_stream(w, k * NB, NB * kW);
       vf wv[NB];
       for (int n = 0; n < NB; ++n) {
-        if (k % 64 == 0) prefetch(w + n * K + k);
         wv[n] = vload_i8(w + n * K + k);
         if (!per_channel) wv[n] = vmul(wv[n], s[n]);
       }
@@ -78,7 +74,7 @@ void int4_tile(const float* x, int64_t ldx, const uint8_t* w, const float* scale
       for (int h = 0; h < 16; h += kW) {  // bytes h .. h + kW - 1 of the block
         vf lo[NB], hi[NB];
         for (int n = 0; n < NB; ++n) {
-          if (k % 128 == 0 && h == 0) prefetch(w + n * (K / 2) + k / 2);
+          if (k % 128 == 0 && h == 0 && n == 0) prefetch_stream(w, k / 2 * NB, NB * 64);
           const auto b = vload_u8_i32(w + n * (K / 2) + k / 2 + h);
           lo[n] = vfmadd(vcvt_i32(vand_i32(b, 0xF)), s[n], zs[n]);
           hi[n] = vfmadd(vcvt_i32(vsrl_i32(b, 4)), s[n], zs[n]);
@@ -108,9 +104,9 @@ void bf16_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float*
   for (int n = 0; n < NB; ++n)
     for (int m = 0; m < MB; ++m) acc[n][m] = vzero();
   for (int64_t k = 0; k < K; k += 2 * kW) {
+    prefetch_stream(w, k * NB * 2, NB * 2 * kW * 2);
     vf we[NB], wo[NB];
     for (int n = 0; n < NB; ++n) {
-      if (k % 32 == 0) prefetch(w + n * K + k);
       const auto v = vload_i32(w + n * K + k);
       we[n] = vas_float(vsll_i32(v, 16));
       wo[n] = vas_float(vand_i32(v, static_cast<int32_t>(0xFFFF0000u)));
