@@ -6,6 +6,8 @@
 - ``Bf16WeightLinear``: on CPUs without bf16 arithmetic, where ``dtype="auto"`` is float32, the
   linears of a bf16 checkpoint keep their bf16 weights and multiply in float32
   (``woq_cpu.bf16_linear``): the values a float32 copy holds, half its bytes per decode step.
+  A bf16 model takes it instead of ``PackedLinear`` where it measures faster at one row
+  (``bf16_kernel_faster``: timed once per process on rotating copies of one weight).
 - ``WeightOnlyLinear`` (``"int8"``: symmetric per output channel; ``"int4"``: scale and
   offset per group of 128 inputs, LM head at int8): the weight stays quantized in memory, so a
   memory-bound step reads about a quarter (int8) or an eighth (int4) of float32's bytes; the CPU
@@ -92,6 +94,8 @@ class Bf16WeightLinear(nn.Module):
         return self.weight_bf16.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.numel() > woq_cpu.BF16_KERNEL_MAX_ROWS * self.in_features:
+            return F.linear(x, self.weight_bf16, self.bias)  # a bf16 model's prefill: bf16 GEMM
         return woq_cpu.bf16_linear(x, self.weight_bf16, self.bias)  # off CPU: F.linear on the widened weight
 
     def extra_repr(self) -> str:
@@ -104,6 +108,34 @@ def bf16_exact(weight: torch.Tensor) -> bool:
     flat = weight.detach().reshape(-1)
     return all(torch.equal(flat[i:i + step].to(torch.bfloat16).float(), flat[i:i + step])
                for i in range(0, flat.numel(), step))
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_kernel_faster() -> bool:
+    """Whether ``woq_cpu.bf16_linear`` beats oneDNN's packed bf16 linear by 10% at one row here:
+    each timed on 4 copies of a bf16 [4096, 2048] weight taken in turn (64 MB: no copy stays in
+    cache), best of 3 passes of 8 calls. Measured rather than assumed: which one streams a bf16
+    weight faster depends on the CPU (how it runs 512-bit operations, its prefetchers)."""
+    if not (woq_cpu.available() and _onednn_packs_bf16()):
+        return False
+    import time
+
+    weights = [torch.full((4096, 2048), 0.01, dtype=torch.bfloat16) for _ in range(4)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+    x = torch.randn(1, 2048).to(torch.bfloat16)
+
+    def best(call) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            for i in range(8):
+                call(i % 4)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    kernel = best(lambda i: woq_cpu.bf16_linear(x, weights[i]))
+    onednn = best(lambda i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""))
+    return kernel < 0.9 * onednn
 
 
 class WeightOnlyLinear(nn.Module):
@@ -308,7 +340,9 @@ def prepare_for_inference(model: nn.Module, quantization: str | None, device: to
     elif quantization is not None:
         raise ValueError(f"quantization must be None or one of {sorted(QUANTIZATIONS)}, got {quantization!r}")
     elif _can_pack(dtype, device):
-        _replace_linears(model, PackedLinear)
+        fast = bf16_kernel_faster()
+        _replace_linears(model, lambda lin: Bf16WeightLinear(lin) if fast and lin.in_features % 32 == 0
+                         else PackedLinear(lin))
     elif bf16_weights and dtype == torch.float32 and device.type == "cpu" and woq_cpu.available():
         _replace_linears(model, lambda lin: Bf16WeightLinear(lin) if (
             bf16_weights == "round" or bf16_exact(lin.weight)) and lin.in_features % 32 == 0 else lin)

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.kernels import woq_cpu
+from specdec.layers import quantization
 from specdec.layers.norm import RMSNorm
 from specdec.kernels.woq_format import quantize_int4, quantize_int8, reference_linear, reference_linear_a8
 from specdec.layers.quantization import (
@@ -74,6 +75,28 @@ def test_packed_linear_equals_f_linear(rows):
     x = torch.randn(rows, 128, dtype=torch.bfloat16)
     torch.testing.assert_close(PackedLinear(lin)(x).float(), F.linear(x, lin.weight, lin.bias).float(),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
+@pytest.mark.parametrize("rows", [1, 6, 200])
+def test_bf16_weight_linear_on_a_bf16_model_equals_f_linear(rows):
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 96, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 128, dtype=torch.bfloat16)
+    out = Bf16WeightLinear(lin)(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+    torch.testing.assert_close(out.float(), F.linear(x, lin.weight, lin.bias).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not _can_pack(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16 packing here")
+@pytest.mark.parametrize("kernel_faster", [True, False])
+def test_a_bf16_model_takes_the_linear_measured_faster(monkeypatch, kernel_faster):
+    monkeypatch.setattr(quantization, "bf16_kernel_faster", lambda: kernel_faster)
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(40, 8)).to(torch.bfloat16)
+    prepare_for_inference(model, None, torch.device("cpu"))
+    assert isinstance(model[0], Bf16WeightLinear if kernel_faster else PackedLinear)
+    assert isinstance(model[1], PackedLinear)  # 40 inputs: not the kernel's shape (a multiple of 32)
+    assert isinstance(quantization.bf16_kernel_faster(), bool)
 
 
 def test_prepare_for_inference_int8_swaps_every_linear():
