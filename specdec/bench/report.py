@@ -46,15 +46,25 @@ def command_line(args) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
-def _cpu_name() -> str:
+def _cpu_name(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The model name, with the family and model numbers where /proc/cpuinfo gives them (a VM's
+    name can be as generic as "AMD EPYC", and CPU generations differ: Zen 4 is family 25)."""
+    fields = {}
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip() and fields:  # the first processor's block is enough
+                    break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']} model {fields['model']})"
+    return name
 
 
 def _cpu_flags() -> list[str]:
@@ -63,7 +73,7 @@ def _cpu_flags() -> list[str]:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
         return []
-    return sorted(set(flags) & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"})
+    return sorted(set(flags) & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"})
 
 
 def machine_info(bandwidth_bytes_per_s: float | None, device: torch.device | None = None) -> dict:
