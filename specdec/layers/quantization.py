@@ -33,6 +33,7 @@
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 import torch.nn.functional as F
@@ -80,9 +81,10 @@ class PackedLinear(nn.Module):
 
 
 class Bf16WeightLinear(nn.Module):
-    """A float32 model's linear whose weight is kept in bf16 (CPUs without bf16 arithmetic): half
-    the bytes a memory-bound step reads, float32 arithmetic (``woq_cpu.bf16_linear``). Made only
-    from weights bf16 holds exactly (a bf16 checkpoint loaded as float32), unless asked to round."""
+    """A linear whose weight is kept in bf16 and multiplied in float32 (``woq_cpu.bf16_linear``): in a
+    float32 model (CPUs without bf16 arithmetic), half the bytes a memory-bound step reads, made only
+    from weights bf16 holds exactly (a bf16 checkpoint loaded as float32) unless asked to round; in a
+    bf16 model, where it streams faster than ``PackedLinear`` (``bf16_kernel_faster``)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -118,8 +120,6 @@ def bf16_kernel_faster() -> bool:
     weight faster depends on the CPU (how it runs 512-bit operations, its prefetchers)."""
     if not (woq_cpu.available() and _onednn_packs_bf16()):
         return False
-    import time
-
     weights = [torch.full((4096, 2048), 0.01, dtype=torch.bfloat16) for _ in range(4)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
     x = torch.randn(1, 2048).to(torch.bfloat16)

@@ -96,7 +96,6 @@ def test_a_bf16_model_takes_the_linear_measured_faster(monkeypatch, kernel_faste
     prepare_for_inference(model, None, torch.device("cpu"))
     assert isinstance(model[0], Bf16WeightLinear if kernel_faster else PackedLinear)
     assert isinstance(model[1], PackedLinear)  # 40 inputs: not the kernel's shape (a multiple of 32)
-    assert isinstance(quantization.bf16_kernel_faster(), bool)
 
 
 def test_prepare_for_inference_int8_swaps_every_linear():

@@ -124,7 +124,6 @@ enum ScaleFormat { kF32 = 0, kF16 = 1, kTwoLevel = 2 };
 
 constexpr int kMaxRows = 9;  // rows per kernel pass; more rows run as passes of these
 
-
 #if defined(__AVX512VNNI__)
 
 // The chunk's group values (lane j = group g0 + j) of output n.
@@ -167,6 +166,7 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
   // the integer accumulators of the inner loop
   alignas(64) float facc_mem[NB][MB][16] = {};
   constexpr int64_t step_bytes = INT4 ? 32 : 64;  // one row's weights per step of 64 inputs
+  const uint8_t* tile_w = a.w + n0 * step_bytes * (a.K / 64);  // the tile's first row
   for (int64_t c = 0; c < a.num_chunks; ++c) {
     const Chunk& ch = a.chunks[c];
     __m512i iacc[NB][MB], wsum[NB];
@@ -175,7 +175,7 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
       for (int m = 0; m < MB; ++m) iacc[n][m] = _mm512_setzero_si512();
     }
     for (int64_t k = ch.c0; k < ch.c0 + ch.C; k += 64) {
-      specdec_cpu_common::prefetch_stream(a.w + n0 * step_bytes * (a.K / 64), (k / 64) * NB * step_bytes, NB * step_bytes);
+      specdec_cpu_common::prefetch_stream(tile_w, (k / 64) * NB * step_bytes, NB * step_bytes);
       __m512i w[NB];
       for (int n = 0; n < NB; ++n) {
         w[n] = load_weights<INT4>(a, n0 + n, k);
@@ -195,8 +195,9 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
       if (INT4) {
         ov[n] = group_values<SF>(a, ch, a.wo, a.wo_sup, n0 + n);
         if (!ch.identity) ov[n] = _mm512_permutexvar_ps(lane_group, ov[n]);
+      } else {
+        wsum[n] = _mm512_slli_epi32(wsum[n], 7);
       }
-      else wsum[n] = _mm512_slli_epi32(wsum[n], 7);
     }
     for (int m = 0; m < MB; ++m) {
       const __m512 xs = _mm512_loadu_ps(a.xs + (m0 + m) * a.L + 16 * c);
@@ -340,11 +341,12 @@ __attribute__((always_inline)) inline void chunk_rows(const Args& a, const Chunk
   __m256i acc[NB][RB][2];
   for (int n = 0; n < NB; ++n)
     for (int m = 0; m < RB; ++m) acc[n][m][0] = acc[n][m][1] = _mm256_setzero_si256();
-  constexpr int64_t step_bytes = INT4 ? 32 : 64;
+  constexpr int64_t step_bytes = INT4 ? 32 : 64;  // one row's weights per step of 64 inputs
+  const int64_t row_bytes = step_bytes * (a.K / 64);
   for (int64_t k = ch.c0; k < ch.c0 + ch.C; k += 64) {
-    specdec_cpu_common::prefetch_stream(a.w + n0 * step_bytes * (a.K / 64), (k / 64) * NB * step_bytes, NB * step_bytes);
+    specdec_cpu_common::prefetch_stream(a.w + n0 * row_bytes, (k / 64) * NB * step_bytes, NB * step_bytes);
     for (int n = 0; n < NB; ++n) {
-      const uint8_t* row = a.w + (n0 + n) * (INT4 ? a.K / 2 : a.K) + (INT4 ? k / 2 : k);
+      const uint8_t* row = a.w + (n0 + n) * row_bytes + (k / 64) * step_bytes;
       if (INT4) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
         const __m256i w0 = _mm256_and_si256(v, low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);

@@ -9,7 +9,8 @@
 // verification and a one-row decode then flip int8 roundings and greedy speculation drifts.
 // Each (row, output) dot product runs the same instruction sequence whatever M is and whichever
 // rows share its tile, so row i of an M-row call equals the 1-row call bit for bit. Parallel over
-// blocks of outputs (at::parallel_for); software prefetch keeps the weight stream ahead of the tile (prefetch_stream).
+// blocks of outputs (at::parallel_for); software prefetch (common.h's prefetch_stream) keeps the
+// weight stream ahead of the tile.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -74,6 +75,7 @@ void int4_tile(const float* x, int64_t ldx, const uint8_t* w, const float* scale
       for (int h = 0; h < 16; h += kW) {  // bytes h .. h + kW - 1 of the block
         vf lo[NB], hi[NB];
         for (int n = 0; n < NB; ++n) {
+          // here rather than above the n loop: gcc schedules the many-row tiles worse with it there
           if (k % 128 == 0 && h == 0 && n == 0) prefetch_stream(w, k / 2 * NB, NB * 64);
           const auto b = vload_u8_i32(w + n * (K / 2) + k / 2 + h);
           lo[n] = vfmadd(vcvt_i32(vand_i32(b, 0xF)), s[n], zs[n]);
