@@ -90,6 +90,12 @@ if want qwen; then
             --speculative-config "{\"method\": \"draft_model\", \"model\": \"$QWEN_DRAFT\", \"num_speculative_tokens\": 5$quant}" \
             --output-json "$OUT/$name.json"
     done
+    # "auto" K against each fixed K on one engine (Q4_K_M target, w4a8 draft with a 49k vocabulary)
+    QWEN_GGUF=${QWEN_GGUF:-$HOME/.cache/specdec/downloads/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf}  # left by the pull
+    $SPECDEC bench autok --model "$QWEN_GGUF" --quantization w4a8 --num-threads 2 --k-values 2,3,4,5,6,7 \
+        --num-prompts 8 --output-len 128 --num-iters 2 --speculative-config "{\"method\": \"draft_model\", \
+\"model\": \"$QWEN_DRAFT\", \"num_speculative_tokens\": \"auto\", \"max_num_speculative_tokens\": 8, \
+\"quantization\": \"w4a8\", \"draft_vocab_size\": 49152}" --output-json "$OUT/autok_qwen_zen4.json"
 fi
 
 if want workloads; then

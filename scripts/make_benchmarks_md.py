@@ -18,13 +18,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-KIND_ORDER = ("peers", "latency", "profile", "throughput", "sweep", "compare", "workloads", "structured",
+KIND_ORDER = ("peers", "latency", "profile", "throughput", "sweep", "autok", "compare", "workloads", "structured",
               "quant_kernels", "quant_e2e", "serve")
 TITLES = {
     "latency": "Latency: decode tokens/s vs the roofline, speculation vs none",
     "profile": "Profile of one decode step: where the time goes",
     "throughput": "Throughput: tokens/s vs batch size",
     "sweep": "Controlled acceptance (replay): efficiency over acceptance x K",
+    "autok": "\"auto\" K against each fixed K (one engine, policies alternating per prompt)",
     "compare": "specdec vs Hugging Face transformers (same checkpoint, same prompts, same run)",
     "peers": "specdec vs vLLM CPU and llama.cpp (each configuration in its own process, interleaved rounds)",
     "workloads": "Draft-free speculation on grounded, open-ended and batched work",
@@ -197,6 +198,12 @@ def goals_table(results: list[tuple[Path, dict]]) -> str:
                 ok = sum(v >= 0.9 for v in values)
                 add("sweep_llama1b", f"{what} >= 0.9 for a >= 0.7, K <= 5 (worst cell; "
                     f"{ok} of {len(values)} cells >= 0.9, median {values[len(values) // 2]:.2f})", values[0], 0.9)
+    autok = by_name.get("autok_qwen_zen4")
+    if autok:
+        fixed = max(v for p, v in autok["tokens_per_s"].items() if p != "auto")
+        add("autok_qwen_zen4", '"auto" K on the Qwen pair: >= 0.97 of the best fixed K (medians over rounds; '
+            "per-round paired ratios " + " / ".join(f"{r['auto_over_best_fixed']:.3f}" for r in autok["rounds"]) + ")",
+            autok["tokens_per_s"]["auto"] / fixed, 0.97)
     cmp = by_name.get("compare_qwen_pair")
     if cmp:
         tps = {r["system"]: r["tokens_per_s"] for r in cmp["rows"]}

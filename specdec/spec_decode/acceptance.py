@@ -18,7 +18,12 @@ class AcceptanceEstimator:
     The pooled prior of position j > 1 is the pooled estimate of position j - 1, not the flat
     ``prior_acceptance``: a position that has rarely been tried is assumed to be accepted like
     the one before it. Under a flat prior a policy that drafts K = 2 never learns whether
-    positions 3.. would pay, so it never drafts deeper."""
+    positions 3.. would pay, so it never drafts deeper.
+
+    A step in which a request drafted nothing ages its counts too (``age``): its memory is
+    counted in steps, not in drafting steps. Otherwise one rejected first draft of a new request
+    (its estimate then sits below the pooled one, which can price every K above 0 out) is its
+    last word: it plans K = 0, observes nothing, and decodes plainly to its end."""
 
     def __init__(self, max_positions: int = 16, prior_acceptance: float = 0.5, prior_strength: float = 8.0,
                  decay: float = 0.95, pooled_decay: float = 0.999):
@@ -53,6 +58,14 @@ class AcceptanceEstimator:
         counts = self._requests.get(request_id)
         self._requests[request_id] = outcome if counts is None else counts * self.decay + outcome
         self._pooled = self._pooled * self.pooled_decay + outcome
+
+    def age(self, request_ids: Sequence[str]) -> None:
+        """These requests drafted nothing this step: their own evidence decays by one step, so an
+        estimate that stopped a request from drafting fades towards the pooled one."""
+        for request_id in request_ids:
+            counts = self._requests.get(request_id)
+            if counts is not None:
+                counts *= self.decay
 
     def _pooled_posterior(self) -> np.ndarray:
         successes, trials = self._pooled[:, 0], self._pooled[:, 1]

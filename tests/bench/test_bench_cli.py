@@ -90,6 +90,24 @@ def test_latency_with_a_draft_model_measures_its_cost(llama_path, noisy_draft_pa
     assert s["greedy_agreement"]["identical_fraction"] == 1.0  # lossless in float32
 
 
+def test_autok_pairs_auto_with_each_fixed_k_on_one_engine(llama_path, noisy_draft_path, tmp_path, capsys):
+    spec = json.dumps({"method": "draft_model", "model": noisy_draft_path, "num_speculative_tokens": "auto",
+                       "max_num_speculative_tokens": 3})
+    table = run_cli(["bench", "autok", "--model", llama_path, *SMALL, "--prompts", "random", "--num-prompts", "2",
+                     "--num-iters", "2", "--k-values", "1,3", "--speculative-config", spec,
+                     "--output-json", str(tmp_path / "r.json")])
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["kind"] == "autok" and r["policies"] == ["auto", "1", "3"] and len(r["rounds"]) == 2
+    for rnd in r["rounds"]:
+        rates, mal = rnd["tokens_per_s"], rnd["mean_acceptance_length"]
+        assert rnd["best_fixed_k"] in (1, 3) and rates[str(rnd["best_fixed_k"])] == max(rates["1"], rates["3"])
+        assert rnd["auto_over_best_fixed"] == pytest.approx(rates["auto"] / max(rates["1"], rates["3"]))
+        assert 1.0 <= mal["1"] <= 2.0 and 1.0 <= mal["3"] <= 4.0  # a fixed K accepts at most K per step
+    assert "auto / best fixed K" in table and "K=3" in table
+    assert main(["bench", "autok", "--model", llama_path, *SMALL, "--k-values", "4", "--speculative-config", spec]) != 0
+    assert "--k-values must be integers in [0, 3]" in capsys.readouterr().err
+
+
 def test_sweep_extremes_and_plot(llama_path, tmp_path):
     table = run_cli(["bench", "sweep", "--model", llama_path, *SMALL, "--ks", "2", "--acceptances", "0.0", "1.0",
                      "--output-json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png")])

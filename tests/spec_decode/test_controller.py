@@ -110,6 +110,55 @@ def test_observe_updates_acceptance_from_the_step_record():
     assert ctl.acceptance.acceptance("other") == ctl.acceptance.acceptance("never-seen")
 
 
+def test_a_request_that_stopped_drafting_drafts_again_as_its_evidence_ages():
+    """A new request whose first drafts were rejected plans K = 0 (its estimate sits below the
+    pooled one); drafting nothing it observes nothing. Its evidence ages by one step per step that
+    drafted nothing, so it drafts again within a few dozen steps instead of decoding plainly to its end."""
+    def target_s(rows):
+        return 0.05 * (1 + 0.5 * (rows - 1))
+
+    ctl = SpecController(max_k=4, adaptive=True, draft_is_model=True)
+    for n in (1, 2, 4, 8):
+        ctl.cost.set("target", n, target_s(n))
+        ctl.cost.set("draft", n, 0.012)
+    ctl.guard.allow = lambda num_decoding: True
+    for _ in range(40):
+        ctl.acceptance.update("earlier", 4, 2)  # the pool: about 0.7 per position
+    req = decoding("r", 4096, 10)
+    assert ks(ctl, [req]) == [2]
+    for _ in range(5):  # its first drafts all rejected
+        step = record(["r"], [4], [0], target_seconds=target_s(5))
+        step.result.draft_seconds = 4 * 0.012
+        ctl.observe(step)
+    assert ks(ctl, [req]) == [0]
+    plans = []
+    for _ in range(60):
+        plans.append(ks(ctl, [req])[0])
+        if plans[-1]:
+            break
+        ctl.observe(record(["r"], [0], [0], target_seconds=target_s(1)))  # nothing drafted, nothing learnt
+    assert plans[-1] > 0 and len(plans) <= 40, plans
+    assert ks(ctl, [decoding("new", 4096, 10)])[0] > 0  # the pool still says drafting pays
+
+
+def test_fix_k_plans_a_fixed_k_and_learns_nothing_until_released():
+    ctl = controller()
+    a, b = decoding("lead", 256, 40), decoding("lag", 256, 40)
+    before = ctl.acceptance.acceptance("lead")
+    ctl.fix_k(3)
+    assert ks(ctl, [a, b]) == [3, 3]
+    ctl.observe(record(["lead"], [3], [0]))
+    assert ctl.acceptance.acceptance("lead") == before  # a fixed K's steps teach "auto" nothing
+    ctl.fix_k(None)
+    ctl.observe(record(["lead"], [3], [0]))
+    assert ctl.acceptance.acceptance("lead") < before
+    for bad in (5, -1, 2.0):
+        with pytest.raises(ValueError, match="k must be an int"):
+            ctl.fix_k(bad)
+    with pytest.raises(ValueError, match="adaptive chain"):
+        SpecController(max_k=4, adaptive=False, draft_is_model=True).fix_k(2)
+
+
 def test_auto_explores_a_few_steps_when_the_prior_alone_says_no():
     """Costs under which the prior acceptance (0.5) makes K = 0 optimal: without evidence "auto"
     drafts max_k for a few steps, learns a strong draft pays and keeps drafting; a poor draft

@@ -77,6 +77,12 @@ BATCH1_CONFIGS = (
                {"model": "{target_q4_k_m}", "quantization": "w4a8",
                 "speculative_config": {**_draft("auto", max_num_speculative_tokens=8), "quantization": "w4a8"}},
                "gguf:q4_k_m", speculative=True),
+    # "auto" with the best fixed K's draft: the line to hold against that K (or ``specdec bench autok``)
+    PeerConfig(SPECDEC, "Q4_K_M gguf w4a8 + w4a8 draft (49k vocab) K auto", None,
+               {"model": "{target_q4_k_m}", "quantization": "w4a8",
+                "speculative_config": {**_draft("auto", max_num_speculative_tokens=8), "quantization": "w4a8",
+                                       "draft_vocab_size": 49152}},
+               "gguf:q4_k_m", speculative=True),
     PeerConfig(VLLM, "bf16 plain", "bf16 plain", {}),
     PeerConfig(VLLM, "bf16 + bf16 draft K=5", "bf16 draft K=5", {"speculative_config": _draft()}, speculative=True),
     PeerConfig(VLLM, "n-gram K=5", "n-gram K=5", {"speculative_config": NGRAM_K5}, speculative=True),
