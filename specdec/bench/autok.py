@@ -4,8 +4,8 @@ One engine with ``"num_speculative_tokens": "auto"`` serves every policy: for ea
 policies run in turn (the order rotating from prompt to prompt), a fixed K through
 ``SpecController.fix_k`` (the steps of a fixed K teach "auto" nothing). Decode tokens/s per policy
 and round, and the paired figure: "auto" over the best fixed K of the same round. Separate engine
-processes on a shared 2-core machine differ by 10-20% between runs, more than neighbouring K do;
-alternating policies prompt by prompt on one engine leaves the comparison to the K choice.
+processes on a shared machine can differ between runs by more than neighbouring K do; alternating
+policies prompt by prompt on one engine leaves the comparison to the K choice.
 """
 from __future__ import annotations
 
