@@ -162,6 +162,9 @@ def measure(args) -> dict:
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     kernels = candidate_kernels(args.group_size)
     if args.kernels:
+        unknown = [name for name in args.kernels.split(",") if name not in kernels]
+        if unknown:
+            raise SystemExit(f"--kernels: unknown {unknown}; this machine has {sorted(kernels)}")
         kernels = {name: kernels[name] for name in args.kernels.split(",")}
     results = []
     for name, (fmt, prepare) in kernels.items():

@@ -210,11 +210,31 @@ def compact_scales(values: torch.Tensor, group_size: int, half: bool = True) -> 
     return codes.to(torch.int8).reshape(values.shape), factor.reshape(values.shape[0], -1).contiguous()
 
 
+A8_ROW_GROUP = 4  # csrc/woq_a8.cpp's kRowGroup
+
+
+def interleave_rows(rows: torch.Tensor, step_bytes: int, inverse: bool = False) -> torch.Tensor:
+    """[N, R] bytes, R = steps * step_bytes, with each group of ``A8_ROW_GROUP`` rows (the last one:
+    the rest) stored step by step: the group's rows' step 0, then their step 1, ... (the kernel's
+    weight layout; ``inverse``: back to row-major). The shape stays [N, R]."""
+    n, r = rows.shape
+    steps, full = r // step_bytes, n - n % A8_ROW_GROUP
+    out = torch.empty_like(rows)
+    for start, count, g in ((0, full, A8_ROW_GROUP), (full, n - full, n - full)):
+        if count == 0:
+            continue
+        part = rows[start:start + count]
+        shape = (count // g, steps, g, step_bytes) if inverse else (count // g, g, steps, step_bytes)
+        out[start:start + count] = part.reshape(shape).transpose(1, 2).reshape(count, r)
+    return out
+
+
 @dataclass
 class A8Weight:
     """An ``Int8Weight`` / ``Int4Weight`` with its integers in the VNNI kernel's chunk order (int8:
     [N, K] int8; int4: [N, K / 2] uint8, 32 bytes per 64 positions, byte b = position b low,
-    b + 32 high), and the source's scales and (int4) offsets. ``source()`` gives the weight back.
+    b + 32 high), rows interleaved by ``interleave_rows``, and the source's scales and (int4)
+    offsets. ``source()`` gives the weight back.
     ``kernel_scales`` / ``kernel_offsets`` are the compact forms the kernel reads (``compact_scales``:
     the same values in fewer bytes): ``(values, super-block factors or None)``."""
     weight: torch.Tensor
@@ -237,10 +257,10 @@ class A8Weight:
             raise ValueError("int8 activations need K a multiple of 64 and weight groups a multiple of 32 (int8: 16)")
         if isinstance(weight, Int8Weight):
             order = a8_order(weight.qweight.shape[1], weight.group_size)
-            return cls(weight.qweight[:, order].contiguous(), weight.scales, None).compacted()
+            return cls(interleave_rows(weight.qweight[:, order], 64), weight.scales, None).compacted()
         n, k = weight.shape
         q = weight.unpacked()[:, a8_order(k, weight.group_size)].view(n, k // 64, 2, 32)
-        return cls((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous(), weight.scales,
+        return cls(interleave_rows((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2), 32), weight.scales,
                    weight.offsets).compacted()
 
     def compacted(self) -> "A8Weight":
@@ -260,9 +280,9 @@ class A8Weight:
         order = a8_order(k, k // self.scales.shape[1])
         if not self.int4:
             q = torch.empty_like(self.weight)
-            q[:, order] = self.weight
+            q[:, order] = interleave_rows(self.weight, 64, inverse=True)
             return Int8Weight(q, self.scales)
-        steps = self.weight.view(n, k // 64, 32)
+        steps = interleave_rows(self.weight, 32, inverse=True).view(n, k // 64, 32)
         values = torch.stack([steps & 0xF, steps >> 4], dim=2).reshape(n, k)  # chunk order
         q = torch.empty_like(values)
         q[:, order] = values

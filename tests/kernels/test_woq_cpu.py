@@ -228,6 +228,22 @@ def test_a8_row_i_of_an_m_row_call_equals_the_one_row_call_bitwise(fmt):
     assert torch.equal(woq_cpu.linear_a8(x[[7, 2, 9]], kw), full[[7, 2, 9]])
 
 
+@pytest.mark.parametrize("n", [1, 3, 4, 7, 8, 9])
+def test_a8_rows_are_stored_step_by_step_in_groups_of_four(n):
+    steps, step_bytes = 3, 2
+    rows = torch.arange(n * steps * step_bytes, dtype=torch.int32).reshape(n, steps * step_bytes)
+    stored = woq_cpu.interleave_rows(rows, step_bytes)
+    assert stored.shape == rows.shape
+    flat = stored.reshape(-1)
+    for r in range(n):
+        g = r - r % woq_cpu.A8_ROW_GROUP
+        size = min(woq_cpu.A8_ROW_GROUP, n - g)  # the last group: the rest
+        for s in range(steps):
+            at = g * steps * step_bytes + s * size * step_bytes + (r - g) * step_bytes
+            assert torch.equal(flat[at:at + step_bytes], rows[r, s * step_bytes:(s + 1) * step_bytes])
+    assert torch.equal(woq_cpu.interleave_rows(stored, step_bytes, inverse=True), rows)
+
+
 def test_a8_falls_back_to_the_reference_without_the_kernel(monkeypatch):
     weight, x = a8_case("w4a8-g32", n=9, k=128, rows=3)
     monkeypatch.setattr(woq_cpu, "extension_a8", lambda: None)

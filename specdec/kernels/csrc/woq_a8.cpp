@@ -10,7 +10,10 @@
 // conversion and two or three float operations per (row, output) apply the 16 lanes' activation
 // and weight scales at once. Activations are written in this order when quantized; weights are
 // stored in it once (woq_cpu.A8Weight): int8 as is, int4 as 32 bytes per step with byte b holding
-// position b in its low nibble and position b + 32 in its high nibble.
+// position b in its low nibble and position b + 32 in its high nibble. Weight rows are stored in
+// groups of kRowGroup (the last group holds the N % kRowGroup rest): a group's rows step by step
+// (step 0 of each row, then step 1 of each row, ...), so a tile of a group's rows reads one
+// sequential stream where row-major storage gives it one short stream per row.
 //
 // int4: vpdpbusd(u8 weights 0..15, s8 activations); the offset term is offset * (sum of the lane's
 // activations). int8: vpdpbusd(u8 = activations + 128, s8 weights) minus 128 * (sum of the lane's
@@ -31,31 +34,13 @@
 
 #include "common.h"
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-// outputs per tile for 1, 2, 3, 4, 5-6 and 7-9 rows
-#ifndef A8_NB1
-#define A8_NB1 4
-#endif
-#ifndef A8_NB2
-#define A8_NB2 4
-#endif
-#ifndef A8_NB3
-#define A8_NB3 4
-#endif
-#ifndef A8_NB4
-#define A8_NB4 4
-#endif
-#ifndef A8_NB6
-#define A8_NB6 3
-#endif
-#ifndef A8_NB9
-#define A8_NB9 2
-#endif
 #ifndef SPECDEC_LIB
 #define SPECDEC_LIB specdec_woq_a8
 #endif
@@ -123,6 +108,17 @@ struct Args {
 enum ScaleFormat { kF32 = 0, kF16 = 1, kTwoLevel = 2 };
 
 constexpr int kMaxRows = 9;  // rows per kernel pass; more rows run as passes of these
+constexpr int64_t kRowGroup = 4;  // weight rows stored step-interleaved (see the layout above)
+
+// Where output n's weights start and how far apart its steps are, step_bytes per row and step.
+struct RowStream {
+  const uint8_t* p;
+  int64_t stride;
+};
+inline RowStream row_stream(const Args& a, int64_t n, int64_t step_bytes) {
+  const int64_t g = n - n % kRowGroup, rows = std::min<int64_t>(kRowGroup, a.N - g);
+  return {a.w + g * step_bytes * (a.K / 64) + (n - g) * step_bytes, rows * step_bytes};
+}
 
 #if defined(__AVX512VNNI__)
 
@@ -151,14 +147,15 @@ __attribute__((always_inline)) inline void dpbusd(__m512i& acc, __m512i a, __m51
 }
 
 template <bool INT4>
-__attribute__((always_inline)) inline __m512i load_weights(const Args& a, int64_t n, int64_t k) {
-  if (!INT4) return _mm512_loadu_si512(a.w + n * a.K + k);
+__attribute__((always_inline)) inline __m512i load_weights(const uint8_t* p) {
+  if (!INT4) return _mm512_loadu_si512(p);
   // the 32 bytes in both halves; the upper half's 16-bit words shifted right by 4: after the
   // mask, low nibbles (positions 0-31) below, high nibbles (positions 32-63) above
-  const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.w + n * (a.K / 2) + k / 2)));
+  const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4), _mm512_set1_epi8(0x0F));
 }
 
+// Outputs n0 .. n0 + NB - 1 (within one row group) for rows m0 .. m0 + MB - 1.
 template <bool INT4, int SF, int NB, int MB>
 void tile(const Args& a, int64_t n0, int64_t m0) {
   const __m512i ones = _mm512_set1_epi8(1);
@@ -166,7 +163,8 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
   // the integer accumulators of the inner loop
   alignas(64) float facc_mem[NB][MB][16] = {};
   constexpr int64_t step_bytes = INT4 ? 32 : 64;  // one row's weights per step of 64 inputs
-  const uint8_t* tile_w = a.w + n0 * step_bytes * (a.K / 64);  // the tile's first row
+  RowStream rs[NB];
+  for (int n = 0; n < NB; ++n) rs[n] = row_stream(a, n0 + n, step_bytes);
   for (int64_t c = 0; c < a.num_chunks; ++c) {
     const Chunk& ch = a.chunks[c];
     __m512i iacc[NB][MB], wsum[NB];
@@ -175,10 +173,10 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
       for (int m = 0; m < MB; ++m) iacc[n][m] = _mm512_setzero_si512();
     }
     for (int64_t k = ch.c0; k < ch.c0 + ch.C; k += 64) {
-      specdec_cpu_common::prefetch_stream(tile_w, (k / 64) * NB * step_bytes, NB * step_bytes);
+      specdec_cpu_common::prefetch_stream(rs[0].p, (k / 64) * rs[0].stride, NB * step_bytes);
       __m512i w[NB];
       for (int n = 0; n < NB; ++n) {
-        w[n] = load_weights<INT4>(a, n0 + n, k);
+        w[n] = load_weights<INT4>(rs[n].p + (k / 64) * rs[n].stride);
         if (!INT4) dpbusd(wsum[n], ones, w[n]);
       }
       for (int m = 0; m < MB; ++m) {
@@ -219,9 +217,12 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
     for (int m = 0; m < MB; ++m) a.y[(m0 + m) * a.N + n0 + n] = _mm512_reduce_add_ps(_mm512_load_ps(facc_mem[n][m]));
 }
 
+// Tiles of NB outputs within the row groups (NB divides kRowGroup); the last group's
+// N % kRowGroup outputs one by one.
 template <bool INT4, int SF, int NB, int MB>
 void run(const Args& a) {
-  const int64_t full = a.N / NB;
+  static_assert(kRowGroup % NB == 0, "a tile stays in one row group");
+  const int64_t full = a.N / kRowGroup * (kRowGroup / NB);
   at::parallel_for(0, full, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) tile<INT4, SF, NB, MB>(a, b * NB, 0);
   });
@@ -233,15 +234,15 @@ void run(const Args& a) {
 template <bool INT4, int SF>
 void run_rows(const Args& a, int64_t M) {
   switch (M) {
-    case 1: run<INT4, SF, A8_NB1, 1>(a); break;
-    case 2: run<INT4, SF, A8_NB2, 2>(a); break;
-    case 3: run<INT4, SF, A8_NB3, 3>(a); break;
-    case 4: run<INT4, SF, A8_NB4, 4>(a); break;
-    case 5: run<INT4, SF, A8_NB6, 5>(a); break;
-    case 6: run<INT4, SF, A8_NB6, 6>(a); break;
-    case 7: run<INT4, SF, A8_NB9, 7>(a); break;
-    case 8: run<INT4, SF, A8_NB9, 8>(a); break;
-    case 9: run<INT4, SF, A8_NB9, 9>(a); break;
+    case 1: run<INT4, SF, 4, 1>(a); break;
+    case 2: run<INT4, SF, 4, 2>(a); break;
+    case 3: run<INT4, SF, 4, 3>(a); break;
+    case 4: run<INT4, SF, 4, 4>(a); break;
+    case 5: run<INT4, SF, 2, 5>(a); break;
+    case 6: run<INT4, SF, 2, 6>(a); break;
+    case 7: run<INT4, SF, 2, 7>(a); break;
+    case 8: run<INT4, SF, 2, 8>(a); break;
+    case 9: run<INT4, SF, 2, 9>(a); break;
     default: break;
   }
 }
@@ -342,11 +343,12 @@ __attribute__((always_inline)) inline void chunk_rows(const Args& a, const Chunk
   for (int n = 0; n < NB; ++n)
     for (int m = 0; m < RB; ++m) acc[n][m][0] = acc[n][m][1] = _mm256_setzero_si256();
   constexpr int64_t step_bytes = INT4 ? 32 : 64;  // one row's weights per step of 64 inputs
-  const int64_t row_bytes = step_bytes * (a.K / 64);
+  RowStream rs[NB];
+  for (int n = 0; n < NB; ++n) rs[n] = row_stream(a, n0 + n, step_bytes);
   for (int64_t k = ch.c0; k < ch.c0 + ch.C; k += 64) {
-    specdec_cpu_common::prefetch_stream(a.w + n0 * row_bytes, (k / 64) * NB * step_bytes, NB * step_bytes);
+    specdec_cpu_common::prefetch_stream(rs[0].p, (k / 64) * rs[0].stride, NB * step_bytes);
     for (int n = 0; n < NB; ++n) {
-      const uint8_t* row = a.w + (n0 + n) * row_bytes + (k / 64) * step_bytes;
+      const uint8_t* row = rs[n].p + (k / 64) * rs[n].stride;
       if (INT4) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
         const __m256i w0 = _mm256_and_si256(v, low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
@@ -384,8 +386,8 @@ __attribute__((always_inline)) inline void chunk_rows(const Args& a, const Chunk
     }
 }
 
-// outputs n0 .. n0 + NB - 1 for all M <= kMaxRows rows, RB rows at a time per chunk (the chunk's
-// weights stay in L1 between the row blocks)
+// outputs n0 .. n0 + NB - 1 (within one row group) for all M <= kMaxRows rows, RB rows at a time
+// per chunk (the chunk's weights stay in L1 between the row blocks)
 template <bool INT4, int SF, int NB, int RB>
 void tile(const Args& a, int64_t n0, int64_t M) {
   alignas(32) float facc[NB][kMaxRows][16];
@@ -412,9 +414,12 @@ void tile(const Args& a, int64_t n0, int64_t M) {
           _mm256_add_ps(_mm256_load_ps(facc[n][m]), _mm256_load_ps(facc[n][m] + 8)));
 }
 
+// Tiles of NB outputs within the row groups (NB divides kRowGroup); the last group's
+// N % kRowGroup outputs one by one.
 template <bool INT4, int SF, int NB, int RB>
 void run(const Args& a, int64_t M) {
-  const int64_t full = a.N / NB;
+  static_assert(kRowGroup % NB == 0, "a tile stays in one row group");
+  const int64_t full = a.N / kRowGroup * (kRowGroup / NB);
   at::parallel_for(0, full, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) tile<INT4, SF, NB, RB>(a, b * NB, M);
   });
