@@ -1,0 +1,111 @@
+#!/usr/bin/env python
+"""The int8-activation CPU kernel (specdec/kernels/csrc/woq_a8.cpp) of the working tree against the
+one of a git revision, side by side in one process: the revision's woq_a8.cpp and common.h are
+built under their own namespace, both kernels get the same weights, and they alternate call
+sequence by call sequence, so the machine's memory-bandwidth phases hit both alike (separate
+processes on a shared VM differ by more than most kernel changes).
+
+The call sequence is one decode step's linears of a Qwen2.5-1.5B Q4_K_M model as specdec runs it
+(28 layers of q/k/v, o, gate_up, down: int4 groups of 32, the Q6_K ones int8 groups of 16, and an
+int8 LM head). Both kernels must read the same weight layout: the script checks their outputs are
+equal before timing and stops otherwise.
+
+    python scripts/woq_a8_ab.py --rev HEAD --rows 1,2,6,7 --rounds 9
+
+Prints, per row count, the median and the fastest sequence of each kernel (ms) and the ratio of
+the medians (working tree / revision).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from specdec.kernels import cpp_build, woq_cpu  # noqa: E402
+from specdec.kernels.woq_format import quantize_int4, quantize_int8  # noqa: E402
+
+CSRC = "specdec/kernels/csrc"
+
+
+def build_revision(rev: str):
+    """a8_linear of ``rev``'s kernel, built from its own sources under namespace specdec_woq_a8_rev."""
+    from torch.utils.cpp_extension import load
+
+    isa, flags, needs = woq_cpu.build_args(None, a8=True)
+    missing = [f for f in needs if f not in cpp_build.cpu_flags()]
+    if missing:
+        raise SystemExit(f"this CPU lacks {missing}")
+    src = Path(tempfile.mkdtemp(prefix="woq_a8_rev_"))
+    for name in ("woq_a8.cpp", "common.h"):
+        text = subprocess.run(["git", "show", f"{rev}:{CSRC}/{name}"], cwd=ROOT, check=True, capture_output=True,
+                              text=True).stdout
+        (src / name).write_text(text)
+    ns = "specdec_woq_a8_rev"
+    load(name=ns, sources=[str(src / "woq_a8.cpp")], extra_cflags=["-O3", *flags, f"-DSPECDEC_LIB={ns}", "-fopenmp"],
+         extra_ldflags=["-fopenmp"], build_directory=cpp_build.build_dir(ns), is_python_module=False, verbose=False)
+    return getattr(torch.ops, ns).a8_linear.default
+
+
+def step_weights(seed: int = 0) -> list[tuple[tuple, int]]:
+    """(kernel arguments, bytes) of each linear of one decode step, in order."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def make(n: int, k: int, int4: bool):
+        w = torch.randn(n, k, generator=gen) * 0.02
+        q = quantize_int4(w, 32) if int4 else quantize_int8(w, 16)
+        return woq_cpu.a8_kernel_args(woq_cpu.A8Weight.prepare(q)), q.nbytes
+
+    out = []
+    for layer in range(28):
+        six = layer % 2 == 1  # Q4_K_M keeps about half of v and down in Q6_K
+        out += [make(1536, 1536, True), make(256, 1536, True), make(256, 1536, not six), make(1536, 1536, True),
+                make(17920, 1536, True), make(1536, 8960, not six)]
+    out.append(make(151936, 1536, False))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rev", default="HEAD", help="git revision whose kernel is the baseline")
+    ap.add_argument("--rows", default="1,2,6,7", help="activation rows per call (comma-separated)")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--num-threads", type=int, default=2)
+    args = ap.parse_args()
+    ours = woq_cpu.extension_a8()
+    if ours is None:
+        raise SystemExit("the working tree's kernel did not build (see the warning above)")
+    kernels = {"rev": build_revision(args.rev), "tree": ours.a8_linear.default}
+    torch.set_num_threads(args.num_threads)
+    weights = step_weights()
+    total_mb = sum(b for _, b in weights) / 1e6
+    print(f"{len(weights)} linears, {total_mb:.0f} MB of weights, {args.num_threads} threads, rev {args.rev}")
+    for m in (int(v) for v in args.rows.split(",")):
+        xs = {k: torch.randn(m, k) for k in {a[-1] for a, _ in weights}}
+        for a, _ in weights[:6] + weights[-1:]:
+            if not torch.equal(kernels["rev"](xs[a[-1]], *a, None), kernels["tree"](xs[a[-1]], *a, None)):
+                raise SystemExit(f"M={m}: the kernels disagree (different weight layouts?); not timed")
+        times = {name: [] for name in kernels}
+        for rnd in range(args.rounds + 1):  # the first round warms up, untimed
+            for name, op in kernels.items():
+                t = time.perf_counter()
+                for a, _ in weights:
+                    op(xs[a[-1]], *a, None)
+                if rnd:
+                    times[name].append((time.perf_counter() - t) * 1e3)
+        med = {name: statistics.median(v) for name, v in times.items()}
+        print(f"M={m}: " + "  ".join(f"{name} {med[name]:.1f} ms (fastest {min(v):.1f})" for name, v in times.items())
+              + f"  tree/rev {med['tree'] / med['rev']:.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
