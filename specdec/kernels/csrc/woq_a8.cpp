@@ -100,6 +100,7 @@ struct Args {
   const Chunk* chunks;
   int64_t num_chunks, K, G, L, N, nsb;
   float* y;
+  int64_t ng;  // K / G, the groups of a row (one division per call, not one per chunk and output)
 };
 
 // Scale formats (the scales' dtype): float32 as is; float16 widened; int8 times the float32
@@ -126,7 +127,7 @@ inline RowStream row_stream(const Args& a, int64_t n, int64_t step_bytes) {
 template <int SF>
 __attribute__((always_inline)) inline __m512 group_values(const Args& a, const Chunk& ch, const void* v,
                                                          const float* sup, int64_t n) {
-  const int64_t base = n * (a.K / a.G) + ch.g0;
+  const int64_t base = n * a.ng + ch.g0;
   const __mmask16 groups = static_cast<__mmask16>((1u << ch.num_groups) - 1);
   if (SF == kF32) return _mm512_maskz_loadu_ps(groups, static_cast<const float*>(v) + base);
   if (SF == kF16)
@@ -315,7 +316,7 @@ inline __m256 load8(const T* p, int64_t pos, int64_t total) {
 template <int SF>
 __attribute__((always_inline)) inline __m256 half_values(const Args& a, const Chunk& ch, const void* v,
                                                         const float* sup, int64_t n, int h) {
-  const int64_t ng = a.K / a.G, first = ch.group_of_lane[8 * h];
+  const int64_t ng = a.ng, first = ch.group_of_lane[8 * h];
   const int64_t pos = n * ng + ch.g0 + first, total = a.N * ng;
   __m256 vals;
   if (SF == kF32) vals = load8(static_cast<const float*>(v), pos, total);
@@ -554,7 +555,7 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
                static_cast<const uint8_t*>(weight.data_ptr()), scales.data_ptr(), int4 ? offsets.data_ptr() : nullptr,
                two ? scales_sup.data_ptr<float>() : nullptr, two && int4 ? offsets_sup.data_ptr<float>() : nullptr,
                chunks.data(), static_cast<int64_t>(chunks.size()), K, G, L, N, two ? scales_sup.size(1) : 0,
-               y.data_ptr<float>()};
+               y.data_ptr<float>(), K / G};
   int4 ? run_all<true>(a, M, sf) : run_all<false>(a, M, sf);
   specdec_cpu_common::add_bias(y, bias);
   auto sizes = x.sizes().vec();
