@@ -38,21 +38,18 @@ CSRC = "specdec/kernels/csrc"
 
 def build_revision(rev: str):
     """a8_linear of ``rev``'s kernel, built from its own sources under namespace specdec_woq_a8_rev."""
-    from torch.utils.cpp_extension import load
-
     isa, flags, needs = woq_cpu.build_args(None, a8=True)
-    missing = [f for f in needs if f not in cpp_build.cpu_flags()]
-    if missing:
-        raise SystemExit(f"this CPU lacks {missing}")
     src = Path(tempfile.mkdtemp(prefix="woq_a8_rev_"))
     for name in ("woq_a8.cpp", "common.h"):
         text = subprocess.run(["git", "show", f"{rev}:{CSRC}/{name}"], cwd=ROOT, check=True, capture_output=True,
                               text=True).stdout
         (src / name).write_text(text)
     ns = "specdec_woq_a8_rev"
-    load(name=ns, sources=[str(src / "woq_a8.cpp")], extra_cflags=["-O3", *flags, f"-DSPECDEC_LIB={ns}", "-fopenmp"],
-         extra_ldflags=["-fopenmp"], build_directory=cpp_build.build_dir(ns), is_python_module=False, verbose=False)
-    return getattr(torch.ops, ns).a8_linear.default
+    ops = cpp_build.load_ops(ns, "woq_a8.cpp", ns, ["-O3", *flags, f"-DSPECDEC_LIB={ns}"], needs=needs,
+                             what=f"{rev}'s kernel", fallback="nothing to compare", csrc=src)
+    if ops is None:
+        raise SystemExit(f"{rev}'s kernel did not build (see the warning above)")
+    return ops.a8_linear.default
 
 
 def step_weights(seed: int = 0) -> list[tuple[tuple, int]]:

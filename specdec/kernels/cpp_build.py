@@ -41,9 +41,10 @@ def disabled(env: str) -> bool:
 
 
 def load_ops(name: str, source: str, namespace: str, flags: list[str], *, needs: tuple[str, ...] = (),
-             what: str, fallback: str, disable_env: str | None = None, warn_disabled: bool = False):
+             what: str, fallback: str, disable_env: str | None = None, warn_disabled: bool = False,
+             csrc: Path | None = None):
     """``torch.ops.<namespace>`` once ``csrc/<source>`` is built and loaded, or None (after one
-    warning: "could not build <what>; <fallback>")."""
+    warning: "could not build <what>; <fallback>"). ``csrc``: another sources folder."""
     if disable_env and disabled(disable_env):
         if warn_disabled:
             warnings.warn(f"specdec: {disable_env}: {fallback}", stacklevel=4)
@@ -57,7 +58,7 @@ def load_ops(name: str, source: str, namespace: str, flags: list[str], *, needs:
 
         # -fopenmp: at::parallel_for is inline OpenMP in the headers, serial without it; the
         # extension then uses the libgomp torch already loaded (same soname), so one thread pool
-        load(name=name, sources=[str(CSRC / source)], extra_cflags=[*flags, "-fopenmp"],
+        load(name=name, sources=[str((csrc or CSRC) / source)], extra_cflags=[*flags, "-fopenmp"],
              extra_ldflags=["-fopenmp"], build_directory=build_dir(name), is_python_module=False, verbose=False)
         return getattr(torch.ops, namespace)
     except Exception as e:  # no compiler, no headers, a failed build: the torch path still runs
