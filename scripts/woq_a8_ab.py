@@ -7,7 +7,8 @@ processes on a shared VM differ by more than most kernel changes).
 
 The call sequence is one decode step's linears of a Qwen2.5-1.5B Q4_K_M model as specdec runs it
 (28 layers of q/k/v, o, gate_up, down: int4 groups of 32, the Q6_K ones int8 groups of 16, and an
-int8 LM head). Both kernels must read the same weight layout: the script checks their outputs are
+int8 LM head), with group scales in the two-level form GGUF K-quants take (codes times a factor
+per super-block of 256 inputs). Both kernels must read the same weight layout: the script checks their outputs are
 equal before timing and stops otherwise.
 
     python scripts/woq_a8_ab.py --rev HEAD --rows 1,2,6,7 --rounds 9
@@ -52,6 +53,16 @@ def build_revision(rev: str):
     return ops.a8_linear.default
 
 
+def kquant_values(values: torch.Tensor, group_size: int, top: int) -> torch.Tensor:
+    """[N, K / G] group scales or offsets rounded to what a GGUF K-quant holds: integer codes in
+    [-top, top] times one factor per super-block of 256 inputs (Q4_K: 6-bit codes, top 63; Q6_K:
+    int8 codes, top 127), so the kernel reads them in its two-level form as it does a real file's."""
+    per = woq_cpu.SUPER_BLOCK // group_size
+    blocks = values.reshape(values.shape[0], -1, per)
+    factor = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / top
+    return ((blocks / factor).round() * factor).reshape(values.shape)
+
+
 def step_weights(seed: int = 0) -> list[tuple[tuple, int]]:
     """(kernel arguments, bytes) of each linear of one decode step, in order."""
     gen = torch.Generator().manual_seed(seed)
@@ -59,7 +70,12 @@ def step_weights(seed: int = 0) -> list[tuple[tuple, int]]:
     def make(n: int, k: int, int4: bool):
         w = torch.randn(n, k, generator=gen) * 0.02
         q = quantize_int4(w, 32) if int4 else quantize_int8(w, 16)
-        return woq_cpu.a8_kernel_args(woq_cpu.A8Weight.prepare(q)), q.nbytes
+        q.scales = kquant_values(q.scales, 32 if int4 else 16, 63 if int4 else 127)
+        if int4:
+            q.offsets = kquant_values(q.offsets, 32, 63)
+        a8 = woq_cpu.A8Weight.prepare(q)
+        assert a8.kernel_scales[1] is not None, "expected the two-level scale form"
+        return woq_cpu.a8_kernel_args(a8), q.nbytes
 
     out = []
     for layer in range(28):

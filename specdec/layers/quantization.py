@@ -82,9 +82,11 @@ class PackedLinear(nn.Module):
 
 class Bf16WeightLinear(nn.Module):
     """A linear whose weight is kept in bf16 and multiplied in float32 (``woq_cpu.bf16_linear``): in a
-    float32 model (CPUs without bf16 arithmetic), half the bytes a memory-bound step reads, made only
-    from weights bf16 holds exactly (a bf16 checkpoint loaded as float32) unless asked to round; in a
-    bf16 model, where it streams faster than ``PackedLinear`` (``bf16_kernel_faster``)."""
+    float32 model, half the bytes a memory-bound step reads, made only from weights bf16 holds
+    exactly (a bf16 checkpoint loaded as float32) unless asked to round; in a bf16 model, where it
+    streams faster than ``PackedLinear`` (``bf16_kernel_faster``). Past ``BF16_KERNEL_MAX_ROWS``
+    rows (prefill) a bf16 GEMM runs instead where the CPU has bf16 arithmetic (float32 activations
+    rounded to bf16 for it, as a bf16 model's are)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -96,8 +98,14 @@ class Bf16WeightLinear(nn.Module):
         return self.weight_bf16.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and x.numel() > woq_cpu.BF16_KERNEL_MAX_ROWS * self.in_features:
-            return F.linear(x, self.weight_bf16, self.bias)  # a bf16 model's prefill: bf16 GEMM
+        if x.numel() > woq_cpu.BF16_KERNEL_MAX_ROWS * self.in_features:  # prefill: a bf16 GEMM where the CPU has one
+            if x.dtype == torch.bfloat16:
+                return F.linear(x, self.weight_bf16, self.bias)
+            from specdec.worker import device
+
+            if x.device.type == "cpu" and device.cpu_supports_bf16():  # float32 activations rounded: 3x float32's speed
+                out = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
+                return out if self.bias is None else out + self.bias
         return woq_cpu.bf16_linear(x, self.weight_bf16, self.bias)  # off CPU: F.linear on the widened weight
 
     def extra_repr(self) -> str:
@@ -329,7 +337,9 @@ def prepare_for_inference(model: nn.Module, quantization: str | None, device: to
     Layers already quantized (a GGUF's kept weights) keep their weights; ``w8a8`` / ``w4a8`` give
     them int8 activations. ``bf16_weights`` (a float32 model on CPU, no quantization): ``"exact"``
     keeps in bf16 the linears bf16 holds exactly, ``"round"`` rounds every linear to bf16
-    (``Bf16WeightLinear``)."""
+    (``Bf16WeightLinear``); given a bf16 model, its linears keep their bf16 weights and the rest is
+    widened to float32 (``widen_to_float32``): a float32 model without a float32 copy of the weights
+    ever being made."""
     dtype = next(model.parameters()).dtype
     if quantization in QUANTIZATIONS:
         if quantization in _CPU_ONLY and device.type != "cpu":
@@ -339,11 +349,29 @@ def prepare_for_inference(model: nn.Module, quantization: str | None, device: to
             _with_int8_activations(model)
     elif quantization is not None:
         raise ValueError(f"quantization must be None or one of {sorted(QUANTIZATIONS)}, got {quantization!r}")
+    elif bf16_weights and dtype in (torch.float32, torch.bfloat16) and device.type == "cpu" and woq_cpu.available():
+        _replace_linears(model, lambda lin: Bf16WeightLinear(lin) if (
+            bf16_weights == "round" or dtype == torch.bfloat16 or bf16_exact(lin.weight)) and lin.in_features % 32 == 0
+            else lin)
+        if dtype == torch.bfloat16:
+            widen_to_float32(model)
     elif _can_pack(dtype, device):
         fast = bf16_kernel_faster()
         _replace_linears(model, lambda lin: Bf16WeightLinear(lin) if fast and lin.in_features % 32 == 0
                          else PackedLinear(lin))
-    elif bf16_weights and dtype == torch.float32 and device.type == "cpu" and woq_cpu.available():
-        _replace_linears(model, lambda lin: Bf16WeightLinear(lin) if (
-            bf16_weights == "round" or bf16_exact(lin.weight)) and lin.in_features % 32 == 0 else lin)
     return model
+
+
+def widen_to_float32(model: nn.Module) -> None:
+    """Every floating parameter and buffer of ``model`` outside its ``Bf16WeightLinear`` weights
+    (norms, embeddings, biases, rotary tables, linears left as they were) in float32, in place
+    (parameters keep their identity, so modules sharing one see the change): a bf16-loaded model
+    whose linears keep bf16 weights then computes in float32."""
+    kept = {id(m.weight_bf16) for m in model.modules() if isinstance(m, Bf16WeightLinear)}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != torch.float32 and id(param) not in kept:
+                param.data = param.data.float()
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32 and id(buf) not in kept:
+                module._buffers[name] = buf.float()

@@ -92,7 +92,7 @@ def test_int8_activations_compute_in_float32_under_auto_dtype_on_a_bf16_cpu(wide
     target, draft = wide_pair
     chosen = prompts[:3]
     engine = dict(ENGINE, dtype="auto")
-    assert LLM(model=target, **engine).engine.dtype == torch.bfloat16  # the rule is w4a8's alone
+    assert LLM(model=target, **engine, quantization="int8").engine.dtype == torch.bfloat16  # the rule is w4a8's
     llm = LLM(model=target, **engine, quantization="w4a8", speculative_config={
         "method": "draft_model", "model": draft, "num_speculative_tokens": 3})
     assert llm.engine.dtype == torch.float32

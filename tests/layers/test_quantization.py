@@ -88,6 +88,38 @@ def test_bf16_weight_linear_on_a_bf16_model_equals_f_linear(rows):
     torch.testing.assert_close(out.float(), F.linear(x, lin.weight, lin.bias).float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
+@pytest.mark.parametrize("bf16_cpu", [True, False])
+def test_bf16_weight_linear_in_a_float32_model_takes_a_bf16_gemm_for_prefill_only_where_the_cpu_has_one(
+        monkeypatch, bf16_cpu):
+    from specdec.worker import device
+
+    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: bf16_cpu)
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 96, bias=True).to(torch.bfloat16).float()
+    layer = Bf16WeightLinear(lin)
+    decode, prefill = torch.randn(woq_cpu.BF16_KERNEL_MAX_ROWS, 128), torch.randn(woq_cpu.BF16_KERNEL_MAX_ROWS + 1, 128)
+    assert torch.equal(layer(decode), woq_cpu.bf16_linear(decode, layer.weight_bf16, layer.bias))
+    out = layer(prefill)
+    assert out.dtype == torch.float32
+    if bf16_cpu:  # the activations rounded to bf16, the bias added in float32
+        assert torch.equal(out, F.linear(prefill.bfloat16(), layer.weight_bf16).float() + layer.bias)
+    else:
+        torch.testing.assert_close(out, F.linear(prefill, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
+def test_a_bf16_model_given_bf16_weights_keeps_them_and_widens_the_rest_to_float32():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(40, 8)).to(torch.bfloat16)
+    weight = model[0].weight.detach().clone()
+    prepare_for_inference(model, None, torch.device("cpu"), bf16_weights="exact")
+    assert isinstance(model[0], Bf16WeightLinear) and torch.equal(model[0].weight_bf16, weight)
+    assert model[0].bias.dtype == torch.float32 and model[1].weight.dtype == torch.float32
+    assert isinstance(model[2], nn.Linear) and model[2].weight.dtype == torch.float32  # 40 inputs: widened
+    assert model[1](model[0](torch.randn(3, 64))).dtype == torch.float32
+
+
 @pytest.mark.skipif(not _can_pack(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16 packing here")
 @pytest.mark.parametrize("kernel_faster", [True, False])
 def test_a_bf16_model_takes_the_linear_measured_faster(monkeypatch, kernel_faster):

@@ -1,0 +1,63 @@
+"""``dtype="auto"`` on a CPU with bf16 arithmetic (no quantization, no EAGLE head) where the bf16
+kernel is the faster linear: the model is loaded in bf16, its linears keep their bf16 weights and
+everything else computes in float32 (the fused float32 CPU ops and the row-by-row attention).
+Greedy tokens equal an explicit float32 run's of the same bf16 checkpoint, with and without
+speculation."""
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.kernels import woq_cpu
+from specdec.layers import quantization
+from specdec.layers.quantization import Bf16WeightLinear
+
+pytestmark = pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
+ENGINE = dict(device="cpu", max_model_len=96, spec_cost_calibration=False)
+
+
+@pytest.fixture
+def bf16_cpu(monkeypatch):
+    from specdec.worker import device
+
+    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: True)
+    monkeypatch.setattr(quantization, "bf16_kernel_faster", lambda: True)
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(llama_path, tmp_path_factory):
+    import transformers
+
+    out = tmp_path_factory.mktemp("bf16_llama_f32act")
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(llama_path).save_pretrained(out)
+    return str(out)
+
+
+def greedy_tokens(llm, prompts, use_speculation=True):
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, use_speculation=use_speculation)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_auto_runs_bf16_weights_with_float32_activations_and_decodes_float32_tokens(bf16_cpu, bf16_checkpoint,
+                                                                                      prompts):
+    chosen = prompts[:4]
+    reference = greedy_tokens(LLM(model=bf16_checkpoint, dtype="float32", **ENGINE), chosen)
+    llm = LLM(model=bf16_checkpoint, dtype="auto", **ENGINE, speculative_config={
+        "method": "draft_model", "model": bf16_checkpoint, "num_speculative_tokens": 3})
+    assert llm.engine.dtype == torch.float32
+    worker = llm.engine.executor.driver_worker
+    for model in (worker.runner.model, worker.draft_runner.model):
+        assert sum(isinstance(m, Bf16WeightLinear) for m in model.modules()) == 2 * 4 + 1  # qkv, o, gate_up, down x 2; lm_head
+        assert all(m.weight_bf16.dtype == torch.bfloat16 for m in model.modules() if isinstance(m, Bf16WeightLinear))
+        assert model.embed_tokens.weight.dtype == torch.float32 and model.norm.weight.dtype == torch.float32
+        assert model.layers[0].self_attn.backend.name == "rows"
+    assert greedy_tokens(llm, chosen, use_speculation=False) == reference
+    assert greedy_tokens(llm, chosen) == reference
+
+
+def test_explicit_bf16_and_a_quantized_auto_engine_keep_their_dtypes(bf16_cpu, bf16_checkpoint):
+    assert LLM(model=bf16_checkpoint, dtype="bfloat16", **ENGINE).engine.dtype == torch.bfloat16
+    llm = LLM(model=bf16_checkpoint, dtype="auto", quantization="int8", **ENGINE)
+    assert llm.engine.dtype == torch.bfloat16  # weight-only int8 keeps the bf16 model it had
+    assert not any(isinstance(m, Bf16WeightLinear) for m in llm.engine.executor.driver_worker.runner.model.modules())
