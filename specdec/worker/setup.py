@@ -133,7 +133,7 @@ def _keeps_quantized(path: str) -> bool:
 
 
 def _bf16_weights_float32_activations(cfg: EngineConfig, device, model_path: str, tp) -> bool:
-    """``dtype="auto"`` on a CPU with bf16 arithmetic, no quantization, no EAGLE head: the model is
+    """``dtype="auto"`` on a CPU with bf16 arithmetic, no quantization: the model is
     loaded in bf16, its linears keep their bf16 weights (``Bf16WeightLinear``, the same bytes per
     step as a bf16 model) and everything else computes in float32, which takes the fused float32
     CPU ops and the row-by-row attention kernel (decode ~1.2x the bf16 model's on a Zen 4 with
@@ -141,11 +141,8 @@ def _bf16_weights_float32_activations(cfg: EngineConfig, device, model_path: str
     from specdec.layers.quantization import bf16_kernel_faster
     from specdec.worker import device as device_info
 
-    spec = cfg.speculative_config
     if cfg.dtype != "auto" or device.type != "cpu" or cfg.quantization is not None or tp is not None:
         return False
-    if spec is not None and spec.method in ("eagle", "eagle3"):
-        return False  # a head reads the target's bf16 LM head rows as they were loaded
     if not device_info.cpu_supports_bf16() or _keeps_quantized(model_path):
         return False
     return bf16_kernel_faster()

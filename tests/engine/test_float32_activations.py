@@ -1,4 +1,4 @@
-"""``dtype="auto"`` on a CPU with bf16 arithmetic (no quantization, no EAGLE head) where the bf16
+"""``dtype="auto"`` on a CPU with bf16 arithmetic (no quantization) where the bf16
 kernel is the faster linear: the model is loaded in bf16, its linears keep their bf16 weights and
 everything else computes in float32 (the fused float32 CPU ops and the row-by-row attention).
 Greedy tokens equal an explicit float32 run's of the same bf16 checkpoint, with and without
@@ -61,3 +61,16 @@ def test_explicit_bf16_and_a_quantized_auto_engine_keep_their_dtypes(bf16_cpu, b
     llm = LLM(model=bf16_checkpoint, dtype="auto", quantization="int8", **ENGINE)
     assert llm.engine.dtype == torch.bfloat16  # weight-only int8 keeps the bf16 model it had
     assert not any(isinstance(m, Bf16WeightLinear) for m in llm.engine.executor.driver_worker.runner.model.modules())
+
+
+def test_an_eagle_head_drafts_for_the_float32_activations_target(bf16_cpu, bf16_checkpoint, eagle_head_path,
+                                                                 prompts):
+    """The head shares the widened target's embedding (float32) and LM head."""
+    head = eagle_head_path
+    chosen = prompts[:3]
+    reference = greedy_tokens(LLM(model=bf16_checkpoint, dtype="float32", **ENGINE), chosen)
+    llm = LLM(model=bf16_checkpoint, dtype="auto", **ENGINE, speculative_config={
+        "method": "eagle", "model": str(head), "num_speculative_tokens": 3})
+    assert llm.engine.dtype == torch.float32
+    assert greedy_tokens(llm, chosen) == reference
+    assert llm.get_metrics()["num_draft_tokens"] > 0
