@@ -100,6 +100,18 @@ def eagle_head_path(llama_path, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def bf16_llama_path(llama_path, tmp_path_factory) -> str:
+    """``llama_path`` saved in bf16: a bf16 checkpoint, as most published ones are."""
+    import transformers
+
+    out = tmp_path_factory.mktemp("bf16_llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(llama_path).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def other_draft_path(make_model) -> str:
     """An unrelated draft (different seed, one layer): its guesses are mostly rejected."""
     return make_model("other_draft", arch="llama", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,

@@ -15,14 +15,8 @@ ENGINE = dict(device="cpu", max_model_len=96, spec_cost_calibration=False)
 
 
 @pytest.fixture(scope="module")
-def bf16_checkpoint(llama_path, tmp_path_factory):
-    import transformers
-
-    out = tmp_path_factory.mktemp("bf16_llama")
-    model = transformers.AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32)
-    model.to(torch.bfloat16).save_pretrained(out)
-    transformers.AutoTokenizer.from_pretrained(llama_path).save_pretrained(out)
-    return str(out)
+def bf16_checkpoint(bf16_llama_path):
+    return bf16_llama_path
 
 
 def greedy_tokens(llm, prompts, use_speculation=True):

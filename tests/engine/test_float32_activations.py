@@ -23,28 +23,17 @@ def bf16_cpu(monkeypatch):
     monkeypatch.setattr(quantization, "bf16_kernel_faster", lambda: True)
 
 
-@pytest.fixture(scope="module")
-def bf16_checkpoint(llama_path, tmp_path_factory):
-    import transformers
-
-    out = tmp_path_factory.mktemp("bf16_llama_f32act")
-    model = transformers.AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32)
-    model.to(torch.bfloat16).save_pretrained(out)
-    transformers.AutoTokenizer.from_pretrained(llama_path).save_pretrained(out)
-    return str(out)
-
-
 def greedy_tokens(llm, prompts, use_speculation=True):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, use_speculation=use_speculation)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_auto_runs_bf16_weights_with_float32_activations_and_decodes_float32_tokens(bf16_cpu, bf16_checkpoint,
+def test_auto_runs_bf16_weights_with_float32_activations_and_decodes_float32_tokens(bf16_cpu, bf16_llama_path,
                                                                                       prompts):
     chosen = prompts[:4]
-    reference = greedy_tokens(LLM(model=bf16_checkpoint, dtype="float32", **ENGINE), chosen)
-    llm = LLM(model=bf16_checkpoint, dtype="auto", **ENGINE, speculative_config={
-        "method": "draft_model", "model": bf16_checkpoint, "num_speculative_tokens": 3})
+    reference = greedy_tokens(LLM(model=bf16_llama_path, dtype="float32", **ENGINE), chosen)
+    llm = LLM(model=bf16_llama_path, dtype="auto", **ENGINE, speculative_config={
+        "method": "draft_model", "model": bf16_llama_path, "num_speculative_tokens": 3})
     assert llm.engine.dtype == torch.float32
     worker = llm.engine.executor.driver_worker
     for model in (worker.runner.model, worker.draft_runner.model):
@@ -56,20 +45,20 @@ def test_auto_runs_bf16_weights_with_float32_activations_and_decodes_float32_tok
     assert greedy_tokens(llm, chosen) == reference
 
 
-def test_explicit_bf16_and_a_quantized_auto_engine_keep_their_dtypes(bf16_cpu, bf16_checkpoint):
-    assert LLM(model=bf16_checkpoint, dtype="bfloat16", **ENGINE).engine.dtype == torch.bfloat16
-    llm = LLM(model=bf16_checkpoint, dtype="auto", quantization="int8", **ENGINE)
+def test_explicit_bf16_and_a_quantized_auto_engine_keep_their_dtypes(bf16_cpu, bf16_llama_path):
+    assert LLM(model=bf16_llama_path, dtype="bfloat16", **ENGINE).engine.dtype == torch.bfloat16
+    llm = LLM(model=bf16_llama_path, dtype="auto", quantization="int8", **ENGINE)
     assert llm.engine.dtype == torch.bfloat16  # weight-only int8 keeps the bf16 model it had
     assert not any(isinstance(m, Bf16WeightLinear) for m in llm.engine.executor.driver_worker.runner.model.modules())
 
 
-def test_an_eagle_head_drafts_for_the_float32_activations_target(bf16_cpu, bf16_checkpoint, eagle_head_path,
+def test_an_eagle_head_drafts_for_the_float32_activations_target(bf16_cpu, bf16_llama_path, eagle_head_path,
                                                                  prompts):
     """The head shares the widened target's embedding (float32) and LM head."""
     head = eagle_head_path
     chosen = prompts[:3]
-    reference = greedy_tokens(LLM(model=bf16_checkpoint, dtype="float32", **ENGINE), chosen)
-    llm = LLM(model=bf16_checkpoint, dtype="auto", **ENGINE, speculative_config={
+    reference = greedy_tokens(LLM(model=bf16_llama_path, dtype="float32", **ENGINE), chosen)
+    llm = LLM(model=bf16_llama_path, dtype="auto", **ENGINE, speculative_config={
         "method": "eagle", "model": str(head), "num_speculative_tokens": 3})
     assert llm.engine.dtype == torch.float32
     assert greedy_tokens(llm, chosen) == reference
