@@ -55,7 +55,8 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
-    widened = _bf16_weights_float32_activations(cfg, device, model_path, tp)
+    widened = _bf16_weights_float32_activations(cfg, device, model_path, tp) and _kv_fits(
+        cfg, ModelRunner.kv_bytes_per_block(model_config, cfg.block_size, torch.float32), max_model_len)
     dtype = torch.float32 if widened else _compute_dtype(cfg, device)
     attn_backend = _attention_backend(cfg, device, dtype)
     model = shared_model if shared_model is not None else load_model(
@@ -132,12 +133,22 @@ def _keeps_quantized(path: str) -> bool:
     return (Path(path) / WOQ_FILE).is_file()
 
 
+def _kv_fits(cfg: EngineConfig, bytes_per_block: int, max_model_len: int) -> bool:
+    """Whether the CPU KV budget holds one max_model_len sequence at ``bytes_per_block`` (the target's
+    alone: a float32 cache is twice a bf16 one, and an engine that starts as a bf16 model must
+    still start)."""
+    budget = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else DEFAULT_CPU_KV_BYTES
+    max_k = cfg.speculative_config.num_spec_slots if cfg.speculative_config else 0
+    return budget // bytes_per_block >= -(-(max_model_len + max_k + 1) // cfg.block_size)
+
+
 def _bf16_weights_float32_activations(cfg: EngineConfig, device, model_path: str, tp) -> bool:
     """``dtype="auto"`` on a CPU with bf16 arithmetic, no quantization: the model is
     loaded in bf16, its linears keep their bf16 weights (``Bf16WeightLinear``, the same bytes per
     step as a bf16 model) and everything else computes in float32, which takes the fused float32
     CPU ops and the row-by-row attention kernel (decode ~1.2x the bf16 model's on a Zen 4 with
-    avx512_bf16). Only where the bf16 kernel is the faster linear here (``bf16_kernel_faster``)."""
+    avx512_bf16). Only where the bf16 kernel is the faster linear here (``bf16_kernel_faster``) and
+    (the caller checks) the KV budget holds a max_model_len sequence in float32."""
     from specdec.layers.quantization import bf16_kernel_faster
     from specdec.worker import device as device_info
 
