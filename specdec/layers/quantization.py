@@ -48,6 +48,7 @@ from specdec.kernels.woq_format import (
     supports_a8,
 )
 from specdec.layers.fp8 import Fp8Linear
+from specdec.worker import device as device_info
 
 INT4_GROUP_SIZE = 128  # inputs per int4 scale / offset: 4.5 bits per weight with float32 scales
 
@@ -101,9 +102,7 @@ class Bf16WeightLinear(nn.Module):
         if x.numel() > woq_cpu.BF16_KERNEL_MAX_ROWS * self.in_features:  # prefill: a bf16 GEMM where the CPU has one
             if x.dtype == torch.bfloat16:
                 return F.linear(x, self.weight_bf16, self.bias)
-            from specdec.worker import device
-
-            if x.device.type == "cpu" and device.cpu_supports_bf16():  # float32 activations rounded: 3x float32's speed
+            if x.device.type == "cpu" and device_info.cpu_supports_bf16():  # float32 activations rounded to bf16
                 out = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
                 return out if self.bias is None else out + self.bias
         return woq_cpu.bf16_linear(x, self.weight_bf16, self.bias)  # off CPU: F.linear on the widened weight

@@ -189,14 +189,19 @@ def save_quantized_linears(linears: dict, folder: Path) -> None:
     save_file(tensors, str(folder / WOQ_FILE), metadata={"format": WOQ_FORMAT})
 
 
+def has_quantized_linears(folder: str | Path) -> bool:
+    """Whether a converted folder keeps GGUF linears in their quantized blocks."""
+    return (Path(folder) / WOQ_FILE).is_file()
+
+
 def load_quantized_linears(folder: str | Path) -> dict[str, Int8Weight | Int4Weight | tuple]:
     """The kept-quantized linears of a converted folder ({} when it has none)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    path = Path(folder) / WOQ_FILE
-    if not path.is_file():
+    if not has_quantized_linears(folder):
         return {}
+    path = Path(folder) / WOQ_FILE
     with safe_open(str(path), framework="pt") as f:
         fmt = (f.metadata() or {}).get("format")
     if fmt != WOQ_FORMAT:

@@ -3,14 +3,15 @@ caches, graphs, the proposer and the verifiers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from specdec.config import EngineConfig
 from specdec.layers.quantization import prepare_for_inference
+from specdec.models.gguf_quant import has_quantized_linears
 from specdec.models.loader import load_config, load_model, resolve_model_path
 from specdec.spec_decode.verifier import ChainVerifier, TreeVerifier
+from specdec.worker import device as device_info
 from specdec.worker.device import apply_platform_defaults, resolve_device, resolve_dtype
 from specdec.worker.model_runner import ModelRunner
 
@@ -28,8 +29,13 @@ class WorkerParts:
     tree_verifier: TreeVerifier
 
 
+def blocks_per_sequence(cfg: EngineConfig, max_model_len: int, max_k: int) -> int:
+    """KV blocks one max_model_len sequence needs (its K speculative slots and the bonus token included)."""
+    return -(-(max_model_len + max_k + 1) // cfg.block_size)
+
+
 def num_kv_blocks(cfg: EngineConfig, device, bytes_per_block: int, max_model_len: int, max_k: int) -> int:
-    per_seq_blocks = -(-(max_model_len + max_k + 1) // cfg.block_size)
+    per_seq_blocks = blocks_per_sequence(cfg, max_model_len, max_k)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = int(free - total * (1.0 - cfg.gpu_memory_utilization))
@@ -55,14 +61,14 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
+    spec = cfg.speculative_config
+    max_k = spec.num_spec_slots if spec else 0
     widened = _bf16_weights_float32_activations(cfg, device, model_path, tp) and _kv_fits(
-        cfg, ModelRunner.kv_bytes_per_block(model_config, cfg.block_size, torch.float32), max_model_len)
+        cfg, ModelRunner.kv_bytes_per_block(model_config, cfg.block_size, torch.float32), max_model_len, max_k)
     dtype = torch.float32 if widened else _compute_dtype(cfg, device)
     attn_backend = _attention_backend(cfg, device, dtype)
     model = shared_model if shared_model is not None else load_model(
         model_path, torch.bfloat16 if widened else dtype, device, attn_backend, model_config, tp=tp)
-    spec = cfg.speculative_config
-    max_k = spec.num_spec_slots if spec else 0
     bytes_per_block = ModelRunner.kv_bytes_per_block(model_config, cfg.block_size, dtype)
     draft_model = draft_dtype = draft_vocab = None
     if spec is not None and spec.method == "draft_model":
@@ -71,7 +77,8 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
         draft_dtype = dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, device)
         draft_tp = tp if spec.draft_tensor_parallel_size > 1 else None
         # a bf16-weights / float32-activations target gets a draft of the same kind (spec.dtype "auto")
-        draft_widened = widened and spec.dtype == "auto" and spec.quantization is None and not _keeps_quantized(draft_path)
+        draft_widened = (widened and spec.dtype == "auto" and spec.quantization is None
+                         and not has_quantized_linears(draft_path))
         draft_model = load_model(draft_path, torch.bfloat16 if draft_widened else draft_dtype, device, attn_backend,
                                  draft_cfg, tp=draft_tp)
         if spec.draft_vocab_size is not None or spec.draft_vocab is not None:
@@ -126,35 +133,26 @@ def _compute_dtype(cfg: EngineConfig, device) -> torch.dtype:
     return resolve_dtype(cfg.dtype, device)
 
 
-def _keeps_quantized(path: str) -> bool:
-    """Whether a model folder holds GGUF linears kept in their quantized blocks."""
-    from specdec.models.gguf_quant import WOQ_FILE
-
-    return (Path(path) / WOQ_FILE).is_file()
-
-
-def _kv_fits(cfg: EngineConfig, bytes_per_block: int, max_model_len: int) -> bool:
+def _kv_fits(cfg: EngineConfig, bytes_per_block: int, max_model_len: int, max_k: int) -> bool:
     """Whether the CPU KV budget holds one max_model_len sequence at ``bytes_per_block`` (the target's
     alone: a float32 cache is twice a bf16 one, and an engine that starts as a bf16 model must
     still start)."""
     budget = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else DEFAULT_CPU_KV_BYTES
-    max_k = cfg.speculative_config.num_spec_slots if cfg.speculative_config else 0
-    return budget // bytes_per_block >= -(-(max_model_len + max_k + 1) // cfg.block_size)
+    return budget // bytes_per_block >= blocks_per_sequence(cfg, max_model_len, max_k)
 
 
 def _bf16_weights_float32_activations(cfg: EngineConfig, device, model_path: str, tp) -> bool:
     """``dtype="auto"`` on a CPU with bf16 arithmetic, no quantization: the model is
     loaded in bf16, its linears keep their bf16 weights (``Bf16WeightLinear``, the same bytes per
     step as a bf16 model) and everything else computes in float32, which takes the fused float32
-    CPU ops and the row-by-row attention kernel (decode ~1.2x the bf16 model's on a Zen 4 with
-    avx512_bf16). Only where the bf16 kernel is the faster linear here (``bf16_kernel_faster``) and
-    (the caller checks) the KV budget holds a max_model_len sequence in float32."""
+    CPU ops and the row-by-row attention kernel. Only where the bf16 kernel is the faster linear
+    here (``bf16_kernel_faster``) and (the caller checks) the KV budget holds a max_model_len
+    sequence in float32."""
     from specdec.layers.quantization import bf16_kernel_faster
-    from specdec.worker import device as device_info
 
     if cfg.dtype != "auto" or device.type != "cpu" or cfg.quantization is not None or tp is not None:
         return False
-    if not device_info.cpu_supports_bf16() or _keeps_quantized(model_path):
+    if not device_info.cpu_supports_bf16() or has_quantized_linears(model_path):
         return False
     return bf16_kernel_faster()
 

@@ -70,11 +70,11 @@ def test_a_kv_budget_that_holds_a_sequence_only_in_bf16_keeps_the_bf16_model(bf1
 
     from specdec.config import EngineConfig
     from specdec.worker.model_runner import ModelRunner
+    from specdec.worker.setup import blocks_per_sequence
 
-    block_size = EngineConfig.__dataclass_fields__["block_size"].default
-    blocks = -(-(ENGINE["max_model_len"] + 1) // block_size)
-    bf16_bytes = blocks * ModelRunner.kv_bytes_per_block(AutoConfig.from_pretrained(bf16_llama_path), block_size,
-                                                         torch.bfloat16)
+    cfg = EngineConfig(model=bf16_llama_path, max_model_len=ENGINE["max_model_len"])
+    bf16_bytes = blocks_per_sequence(cfg, cfg.max_model_len, 0) * ModelRunner.kv_bytes_per_block(
+        AutoConfig.from_pretrained(bf16_llama_path), cfg.block_size, torch.bfloat16)
     llm = LLM(model=bf16_llama_path, dtype="auto", kv_cache_memory=bf16_bytes, **ENGINE)
     assert llm.engine.dtype == torch.bfloat16  # a float32 cache would not hold one max_model_len sequence
     assert LLM(model=bf16_llama_path, dtype="auto", kv_cache_memory=2 * bf16_bytes, **ENGINE).engine.dtype == torch.float32
