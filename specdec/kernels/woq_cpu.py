@@ -36,6 +36,9 @@ A8_EXTRA = {"avx512": (("-mavx512vnni",), ("avx512_vnni",))}  # the int8-activat
 DISABLE_ENV = "SPECDEC_DISABLE_WOQ_KERNEL"
 ISA_ENV = "SPECDEC_CPU_ISA"  # build the kernels for this instruction set, not the best the CPU runs
 BF16_KERNEL_MAX_ROWS = 128
+# where the CPU has bf16 arithmetic, from this many rows a bf16 GEMM (oneDNN) on activations rounded
+# to bf16 is faster than ``bf16_linear``, whose float32 FMAs make it compute-bound past a few rows
+BF16_GEMM_MIN_ROWS = 16
 
 
 def cpu_isas(a8: bool = False) -> list[str]:
@@ -55,8 +58,13 @@ def build_args(isa: str | None = None, a8: bool = False) -> tuple[str, tuple[str
     """(isa, compiler flags, needed CPU flags) of a kernel built for ``isa``; None: ``$SPECDEC_CPU_ISA``
     if set, else the best this CPU runs (where it runs none, the AVX-512 set, so the warning names
     what is missing)."""
-    found = cpu_isas(a8)
-    isa = isa or os.environ.get(ISA_ENV) or (found[0] if found else "avx512")
+    return _build_args(isa or os.environ.get(ISA_ENV), a8, cpp_build.cpu_flags())
+
+
+@functools.lru_cache(maxsize=None)  # asked on every kernel call
+def _build_args(isa: str | None, a8: bool, flags: frozenset[str]) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    found = _isas(flags, a8)
+    isa = isa or (found[0] if found else "avx512")
     if isa not in ISAS:
         raise ValueError(f"{ISA_ENV}={isa!r}: must be one of {sorted(ISAS)}")
     flags, needs = ISAS[isa]

@@ -85,9 +85,10 @@ class Bf16WeightLinear(nn.Module):
     """A linear whose weight is kept in bf16 and multiplied in float32 (``woq_cpu.bf16_linear``): in a
     float32 model, half the bytes a memory-bound step reads, made only from weights bf16 holds
     exactly (a bf16 checkpoint loaded as float32) unless asked to round; in a bf16 model, where it
-    streams faster than ``PackedLinear`` (``bf16_kernel_faster``). Past ``BF16_KERNEL_MAX_ROWS``
-    rows (prefill) a bf16 GEMM runs instead where the CPU has bf16 arithmetic (float32 activations
-    rounded to bf16 for it, as a bf16 model's are)."""
+    streams faster than ``PackedLinear`` (``bf16_kernel_faster``). Where the CPU has bf16 arithmetic,
+    calls of ``BF16_GEMM_MIN_ROWS`` rows or more (prefill, large batches, large trees) run a bf16 GEMM
+    instead (float32 activations rounded to bf16 for it, as a bf16 model's are); elsewhere past
+    ``BF16_KERNEL_MAX_ROWS`` rows a float32 GEMM on a widened copy."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -98,13 +99,36 @@ class Bf16WeightLinear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         return self.weight_bf16.float()
 
+    def _kernel_call(self) -> tuple:
+        """(id of the weight, ``x -> bf16_linear(x, weight, bias)`` or None where the kernel does not run,
+        the most inputs it takes, whether larger inputs run a bf16 GEMM on float32 activations rounded
+        to bf16, the weight), bound once: per call, finding them cost more Python than the kernel at
+        batch 1. Re-made when the weight is a new tensor (``.to()``, a copied module)."""
+        weight = self._buffers["weight_bf16"]
+        on_cpu = weight.device.type == "cpu"
+        ops = woq_cpu.extension() if on_cpu and self.in_features % 32 == 0 else None
+        call = None
+        if ops is not None:
+            op, bias = ops.bf16_linear.default, self.bias
+            call = lambda x: op(x, weight, bias)  # noqa: E731
+        bf16_gemm = on_cpu and device_info.cpu_supports_bf16()
+        rows = woq_cpu.BF16_GEMM_MIN_ROWS - 1 if bf16_gemm else woq_cpu.BF16_KERNEL_MAX_ROWS
+        fast = (id(weight), call, rows * self.in_features, bf16_gemm, weight)
+        self.__dict__["_fast"] = fast
+        return fast
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > woq_cpu.BF16_KERNEL_MAX_ROWS * self.in_features:  # prefill: a bf16 GEMM where the CPU has one
-            if x.dtype == torch.bfloat16:
-                return F.linear(x, self.weight_bf16, self.bias)
-            if x.device.type == "cpu" and device_info.cpu_supports_bf16():  # float32 activations rounded to bf16
-                out = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
-                return out if self.bias is None else out + self.bias
+        fast = self.__dict__.get("_fast")
+        if fast is None or fast[0] != id(self._buffers["weight_bf16"]):
+            fast = self._kernel_call()
+        if x.numel() <= fast[2]:  # decode rows: the kernel
+            if fast[1] is not None:
+                return fast[1](x)
+        elif x.dtype == torch.bfloat16:
+            return F.linear(x, self.weight_bf16, self.bias)
+        elif fast[3]:  # float32 activations rounded to bf16 for a bf16 GEMM, the bias added in float32
+            out = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
+            return out if self.bias is None else out + self.bias
         return woq_cpu.bf16_linear(x, self.weight_bf16, self.bias)  # off CPU: F.linear on the widened weight
 
     def extra_repr(self) -> str:

@@ -90,7 +90,7 @@ def test_bf16_weight_linear_on_a_bf16_model_equals_f_linear(rows):
 
 @pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
 @pytest.mark.parametrize("bf16_cpu", [True, False])
-def test_bf16_weight_linear_in_a_float32_model_takes_a_bf16_gemm_for_prefill_only_where_the_cpu_has_one(
+def test_bf16_weight_linear_in_a_float32_model_takes_a_bf16_gemm_for_many_rows_only_where_the_cpu_has_one(
         monkeypatch, bf16_cpu):
     from specdec.worker import device
 
@@ -98,7 +98,8 @@ def test_bf16_weight_linear_in_a_float32_model_takes_a_bf16_gemm_for_prefill_onl
     torch.manual_seed(0)
     lin = nn.Linear(128, 96, bias=True).to(torch.bfloat16).float()
     layer = Bf16WeightLinear(lin)
-    decode, prefill = torch.randn(woq_cpu.BF16_KERNEL_MAX_ROWS, 128), torch.randn(woq_cpu.BF16_KERNEL_MAX_ROWS + 1, 128)
+    kernel_rows = woq_cpu.BF16_GEMM_MIN_ROWS - 1 if bf16_cpu else woq_cpu.BF16_KERNEL_MAX_ROWS
+    decode, prefill = torch.randn(kernel_rows, 128), torch.randn(kernel_rows + 1, 128)
     assert torch.equal(layer(decode), woq_cpu.bf16_linear(decode, layer.weight_bf16, layer.bias))
     out = layer(prefill)
     assert out.dtype == torch.float32
@@ -200,3 +201,18 @@ def test_bf16_weights_exact_keeps_only_linears_bf16_holds_and_computes_the_same(
     assert all(isinstance(lin, Bf16WeightLinear) for lin in rounded)
     untouched = prepare_for_inference(_tiny_mlp(bf16_values=False), None, torch.device("cpu"), bf16_weights="exact")
     assert all(type(lin) is nn.Linear for lin in untouched)
+
+
+@pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
+def test_a_copied_bf16_weight_linear_multiplies_by_its_own_weight():
+    import copy
+
+    torch.manual_seed(0)
+    layer = Bf16WeightLinear(nn.Linear(64, 32, bias=False))
+    x = torch.randn(2, 64)
+    before = layer(x)  # binds the kernel call to this weight
+    twin = copy.deepcopy(layer)
+    twin.weight_bf16.mul_(2)  # the copy's own weight: the original is untouched
+    assert torch.equal(layer(x), before)
+    assert torch.equal(twin(x), woq_cpu.bf16_linear(x, twin.weight_bf16))
+    assert not torch.equal(twin(x), before)
