@@ -62,8 +62,8 @@ def build_args(isa: str | None = None, a8: bool = False) -> tuple[str, tuple[str
 
 
 @functools.lru_cache(maxsize=None)  # asked on every kernel call
-def _build_args(isa: str | None, a8: bool, flags: frozenset[str]) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
-    found = _isas(flags, a8)
+def _build_args(isa: str | None, a8: bool, cpu_flags: frozenset[str]) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    found = _isas(cpu_flags, a8)
     isa = isa or (found[0] if found else "avx512")
     if isa not in ISAS:
         raise ValueError(f"{ISA_ENV}={isa!r}: must be one of {sorted(ISAS)}")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +82,26 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+def bound_once(module: nn.Module, key: str, buffer: torch.Tensor, make):
+    """``make()`` once per tensor of ``buffer``, kept in ``module.__dict__[key]``: a layer's kernel op and
+    arguments bound once (per call, finding them costs more Python than the kernel at batch 1), made
+    again when the buffer is a new tensor (``.to()``, a copied module: the id differs)."""
+    cached = module.__dict__.get(key)
+    if cached is not None and cached[0] == id(buffer):
+        return cached[1]
+    value = make()
+    module.__dict__[key] = (id(buffer), value, buffer)  # the buffer kept alive: its id stays its own
+    return value
+
+
+class _Bf16Plan(NamedTuple):
+    """How ``Bf16WeightLinear`` runs a call: the bound kernel (None where it does not run), the most
+    inputs it takes, and whether larger calls run a bf16 GEMM on activations rounded to bf16."""
+    kernel: Callable[[torch.Tensor], torch.Tensor] | None
+    kernel_max_inputs: int
+    bf16_gemm: bool
+
+
 class Bf16WeightLinear(nn.Module):
     """A linear whose weight is kept in bf16 and multiplied in float32 (``woq_cpu.bf16_linear``): in a
     float32 model, half the bytes a memory-bound step reads, made only from weights bf16 holds
@@ -99,34 +120,29 @@ class Bf16WeightLinear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         return self.weight_bf16.float()
 
-    def _kernel_call(self) -> tuple:
-        """(id of the weight, ``x -> bf16_linear(x, weight, bias)`` or None where the kernel does not run,
-        the most inputs it takes, whether larger inputs run a bf16 GEMM on float32 activations rounded
-        to bf16, the weight), bound once: per call, finding them cost more Python than the kernel at
-        batch 1. Re-made when the weight is a new tensor (``.to()``, a copied module)."""
-        weight = self._buffers["weight_bf16"]
+    def _plan(self) -> _Bf16Plan:
+        return bound_once(self, "_plan_cached", self._buffers["weight_bf16"], self._make_plan)
+
+    def _make_plan(self) -> _Bf16Plan:
+        weight, bias = self._buffers["weight_bf16"], self.bias
         on_cpu = weight.device.type == "cpu"
         ops = woq_cpu.extension() if on_cpu and self.in_features % 32 == 0 else None
-        call = None
+        kernel = None
         if ops is not None:
-            op, bias = ops.bf16_linear.default, self.bias
-            call = lambda x: op(x, weight, bias)  # noqa: E731
+            op = ops.bf16_linear.default
+            kernel = lambda x: op(x, weight, bias)  # noqa: E731
         bf16_gemm = on_cpu and device_info.cpu_supports_bf16()
         rows = woq_cpu.BF16_GEMM_MIN_ROWS - 1 if bf16_gemm else woq_cpu.BF16_KERNEL_MAX_ROWS
-        fast = (id(weight), call, rows * self.in_features, bf16_gemm, weight)
-        self.__dict__["_fast"] = fast
-        return fast
+        return _Bf16Plan(kernel, rows * self.in_features, bf16_gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fast = self.__dict__.get("_fast")
-        if fast is None or fast[0] != id(self._buffers["weight_bf16"]):
-            fast = self._kernel_call()
-        if x.numel() <= fast[2]:  # decode rows: the kernel
-            if fast[1] is not None:
-                return fast[1](x)
+        plan = self._plan()
+        if x.numel() <= plan.kernel_max_inputs:  # decode rows: the kernel
+            if plan.kernel is not None:
+                return plan.kernel(x)
         elif x.dtype == torch.bfloat16:
             return F.linear(x, self.weight_bf16, self.bias)
-        elif fast[3]:  # float32 activations rounded to bf16 for a bf16 GEMM, the bias added in float32
+        elif plan.bf16_gemm:  # float32 activations rounded to bf16 for a bf16 GEMM, the bias added in float32
             out = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
             return out if self.bias is None else out + self.bias
         return woq_cpu.bf16_linear(x, self.weight_bf16, self.bias)  # off CPU: F.linear on the widened weight
@@ -222,19 +238,15 @@ class WeightOnlyLinear(nn.Module):
         """``x -> a8_linear(x, ...weights..., bias)`` with the kernel's arguments gathered once
         (per call they cost more Python than the kernel call itself at batch 1); re-made when the
         buffers are new tensors (``.to()``, a copied module)."""
-        layout = self._buffers["a8_layout"]
-        cached = self.__dict__.get("_a8_cached")
-        if cached is not None and cached[0] == id(layout):
-            return cached[1]
+        return bound_once(self, "_a8_cached", self._buffers["a8_layout"], self._make_a8_call)
+
+    def _make_a8_call(self):
         weight, bias = self.a8_weight(), self.bias
-        ops = woq_cpu.extension_a8() if layout.device.type == "cpu" else None
+        ops = woq_cpu.extension_a8() if self._buffers["a8_layout"].device.type == "cpu" else None
         if ops is None:
-            call = lambda x: woq_cpu.linear_a8(x, weight, bias)  # noqa: E731 (the reference off CPU)
-        else:
-            op, args = ops.a8_linear.default, woq_cpu.a8_kernel_args(weight)
-            call = lambda x: op(x, *args, bias)  # noqa: E731
-        self.__dict__["_a8_cached"] = (id(layout), call, layout)
-        return call
+            return lambda x: woq_cpu.linear_a8(x, weight, bias)  # the reference off CPU
+        op, args = ops.a8_linear.default, woq_cpu.a8_kernel_args(weight)
+        return lambda x: op(x, *args, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
