@@ -1,5 +1,5 @@
-"""The int8 / int4 weight-only CPU kernel and the bf16-weight float32 one (``csrc/woq_linear.cpp``:
-``linear``, ``bf16_linear``) and the int8-activation kernel (``csrc/woq_a8.cpp``, ``linear_a8``),
+"""The int8 / int4 weight-only CPU kernel, the bf16-weight float32 one and the bf16 dot-product one
+(``csrc/woq_linear.cpp``: ``linear``, ``bf16_linear``, ``bf16_pairs_linear``) and the int8-activation kernel (``csrc/woq_a8.cpp``, ``linear_a8``),
 each built on first use (``cpp_build``) for the best instruction set this CPU runs: AVX-512 (the
 int8-activation kernel: AVX-512 VNNI) or AVX2 + FMA.
 
@@ -36,9 +36,6 @@ A8_EXTRA = {"avx512": (("-mavx512vnni",), ("avx512_vnni",))}  # the int8-activat
 DISABLE_ENV = "SPECDEC_DISABLE_WOQ_KERNEL"
 ISA_ENV = "SPECDEC_CPU_ISA"  # build the kernels for this instruction set, not the best the CPU runs
 BF16_KERNEL_MAX_ROWS = 128
-# where the CPU has bf16 arithmetic, from this many rows a bf16 GEMM (oneDNN) on activations rounded
-# to bf16 is faster than ``bf16_linear``, whose float32 FMAs make it compute-bound past a few rows
-BF16_GEMM_MIN_ROWS = 16
 
 
 def cpu_isas(a8: bool = False) -> list[str]:
@@ -127,6 +124,46 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return ops.bf16_linear(x, weight, bias)
     out = _bf16_linear_unfused(x, weight, rows)
     return out if bias is None else out + bias
+
+
+def bf16_pairs_available() -> bool:
+    """Whether ``bf16_pairs_linear`` runs its kernel here: the AVX-512 build on a CPU with avx512_bf16
+    (bf16 dot products)."""
+    flags = cpp_build.cpu_flags()
+    return "avx512_bf16" in flags and build_args()[0] == "avx512" and available()
+
+
+def supports_pairs(n: int, k: int) -> bool:
+    """Whether a [n, k] weight takes the pair layout (whole 16-output blocks, k a multiple of 32)."""
+    return n % PAIR_BLOCK == 0 and k % 32 == 0
+
+
+PAIR_BLOCK = 16  # outputs per block of the pair layout
+
+
+def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 [N, K] weight in ``bf16_pairs_linear``'s layout, [N / 16][K / 2][16][2] (returned as an
+    [N, K] tensor): per block of 16 outputs, each 2 consecutive inputs' weights of the 16 outputs in
+    one 64-byte run."""
+    n, k = weight.shape
+    return weight.reshape(n // PAIR_BLOCK, PAIR_BLOCK, k // 2, 2).transpose(1, 2).contiguous().view(n, k)
+
+
+def unpack_bf16_pairs(packed: torch.Tensor) -> torch.Tensor:
+    """``pack_bf16_pairs``' inverse: the [N, K] weight."""
+    n, k = packed.shape
+    return packed.view(n // PAIR_BLOCK, k // 2, PAIR_BLOCK, 2).transpose(1, 2).reshape(n, k)
+
+
+def bf16_pairs_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for W in pair layout (``pack_bf16_pairs``): x rounded to bf16, products summed
+    in float32 (bf16 dot products), result in x's dtype; off the kernel, the same values from
+    ``F.linear`` in float32 on the rounded x (summed in another order)."""
+    ops = extension() if x.device.type == "cpu" and bf16_pairs_available() else None
+    if ops is not None:
+        return ops.bf16_pairs_linear(x, packed, bias)
+    out = F.linear(x.to(torch.bfloat16).float(), unpack_bf16_pairs(packed).float())
+    return (out if bias is None else out + bias.float()).to(x.dtype)
 
 
 def _bf16_linear_unfused(x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:

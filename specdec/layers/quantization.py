@@ -6,8 +6,10 @@
 - ``Bf16WeightLinear``: on CPUs without bf16 arithmetic, where ``dtype="auto"`` is float32, the
   linears of a bf16 checkpoint keep their bf16 weights and multiply in float32
   (``woq_cpu.bf16_linear``): the values a float32 copy holds, half its bytes per decode step.
-  A bf16 model takes it instead of ``PackedLinear`` where it measures faster at one row
-  (``bf16_kernel_faster``: timed once per process on rotating copies of one weight).
+  A bf16 model (or one widened to float32 around its linears) takes it instead of ``PackedLinear``
+  where it measures faster at one row (``bf16_kernel_faster``: timed once per process on rotating
+  copies of one weight); with avx512_bf16 it then runs bf16 dot products on a weight kept in pair
+  layout (``woq_cpu.bf16_pairs_linear``).
 - ``WeightOnlyLinear`` (``"int8"``: symmetric per output channel; ``"int4"``: scale and
   offset per group of 128 inputs, LM head at int8): the weight stays quantized in memory, so a
   memory-bound step reads about a quarter (int8) or an eighth (int4) of float32's bytes; the CPU
@@ -95,60 +97,67 @@ def bound_once(module: nn.Module, key: str, buffer: torch.Tensor, make):
 
 
 class _Bf16Plan(NamedTuple):
-    """How ``Bf16WeightLinear`` runs a call: the bound kernel (None where it does not run), the most
-    inputs it takes, and whether larger calls run a bf16 GEMM on activations rounded to bf16."""
+    """How ``Bf16WeightLinear`` runs a call: the bound kernel (None where it does not run) and the most
+    inputs it takes (None: any number)."""
     kernel: Callable[[torch.Tensor], torch.Tensor] | None
-    kernel_max_inputs: int
-    bf16_gemm: bool
+    kernel_max_inputs: int | None
 
 
 class Bf16WeightLinear(nn.Module):
-    """A linear whose weight is kept in bf16 and multiplied in float32 (``woq_cpu.bf16_linear``): in a
-    float32 model, half the bytes a memory-bound step reads, made only from weights bf16 holds
-    exactly (a bf16 checkpoint loaded as float32) unless asked to round; in a bf16 model, where it
-    streams faster than ``PackedLinear`` (``bf16_kernel_faster``). Where the CPU has bf16 arithmetic,
-    calls of ``BF16_GEMM_MIN_ROWS`` rows or more (prefill, large batches, large trees) run a bf16 GEMM
-    instead (float32 activations rounded to bf16 for it, as a bf16 model's are); elsewhere past
-    ``BF16_KERNEL_MAX_ROWS`` rows a float32 GEMM on a widened copy."""
+    """A linear whose weight is kept in bf16: in a float32 model, half the bytes a memory-bound step
+    reads, made only from weights bf16 holds exactly (a bf16 checkpoint loaded as float32) unless asked
+    to round; in a bf16 model, where it streams faster than ``PackedLinear`` (``bf16_kernel_faster``).
+
+    Made from a bf16 linear (a bf16 model, or one whose other layers are widened to float32) on a CPU
+    with bf16 dot products (avx512_bf16), the weight is kept in pair layout (``woq_cpu.pack_bf16_pairs``;
+    ``pairs`` True) and every call runs ``woq_cpu.bf16_pairs_linear``: activations rounded to bf16,
+    products summed in float32, as a bf16 model's linears compute, a row's result the same whatever
+    the call's row count. Otherwise (a float32 linear: its float32 values are kept) the weight keeps
+    its [N, K] layout and ``woq_cpu.bf16_linear`` multiplies in float32 (the values a float32 copy
+    gives), past ``BF16_KERNEL_MAX_ROWS`` rows as a float32 GEMM on a widened copy."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight_bf16", linear.weight.detach().to(torch.bfloat16).contiguous())
+        weight = linear.weight.detach()
+        self.pairs = (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+                      and woq_cpu.supports_pairs(*weight.shape) and woq_cpu.bf16_pairs_available())
+        weight = weight.to(torch.bfloat16).contiguous()
+        self.register_buffer("weight_bf16", woq_cpu.pack_bf16_pairs(weight) if self.pairs else weight)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def dequantized_weight(self) -> torch.Tensor:
-        return self.weight_bf16.float()
+        """The weight, [N, K] float32."""
+        weight = self.weight_bf16
+        return (woq_cpu.unpack_bf16_pairs(weight) if self.pairs else weight).float()
 
     def _plan(self) -> _Bf16Plan:
         return bound_once(self, "_plan_cached", self._buffers["weight_bf16"], self._make_plan)
 
     def _make_plan(self) -> _Bf16Plan:
         weight, bias = self._buffers["weight_bf16"], self.bias
-        on_cpu = weight.device.type == "cpu"
-        ops = woq_cpu.extension() if on_cpu and self.in_features % 32 == 0 else None
-        kernel = None
-        if ops is not None:
-            op = ops.bf16_linear.default
-            kernel = lambda x: op(x, weight, bias)  # noqa: E731
-        bf16_gemm = on_cpu and device_info.cpu_supports_bf16()
-        rows = woq_cpu.BF16_GEMM_MIN_ROWS - 1 if bf16_gemm else woq_cpu.BF16_KERNEL_MAX_ROWS
-        return _Bf16Plan(kernel, rows * self.in_features, bf16_gemm)
+        ops = woq_cpu.extension() if weight.device.type == "cpu" and self.in_features % 32 == 0 else None
+        if ops is None:
+            return _Bf16Plan(None, 0)
+        if self.pairs:
+            op = ops.bf16_pairs_linear.default
+            return _Bf16Plan(lambda x: op(x, weight, bias), None)  # noqa: E731
+        op = ops.bf16_linear.default
+        return _Bf16Plan(lambda x: op(x, weight, bias), woq_cpu.BF16_KERNEL_MAX_ROWS * self.in_features)  # noqa: E731
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self._plan()
-        if x.numel() <= plan.kernel_max_inputs:  # decode rows: the kernel
-            if plan.kernel is not None:
-                return plan.kernel(x)
-        elif x.dtype == torch.bfloat16:
+        if plan.kernel is not None and (plan.kernel_max_inputs is None or x.numel() <= plan.kernel_max_inputs):
+            return plan.kernel(x)
+        if self.pairs:  # off the kernel (another device, kernels disabled): the same values through F.linear
+            return woq_cpu.bf16_pairs_linear(x, self.weight_bf16, self.bias)
+        if x.dtype == torch.bfloat16:
             return F.linear(x, self.weight_bf16, self.bias)
-        elif plan.bf16_gemm:  # float32 activations rounded to bf16 for a bf16 GEMM, the bias added in float32
-            out = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
-            return out if self.bias is None else out + self.bias
-        return woq_cpu.bf16_linear(x, self.weight_bf16, self.bias)  # off CPU: F.linear on the widened weight
+        return woq_cpu.bf16_linear(x, self.weight_bf16, self.bias)  # past the kernel's rows: float32 GEMM
 
     def extra_repr(self) -> str:
-        return f"bf16 weight, in={self.in_features}, out={self.out_features}"
+        layout = ", pair layout" if self.pairs else ""
+        return f"bf16 weight{layout}, in={self.in_features}, out={self.out_features}"
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:
@@ -161,14 +170,18 @@ def bf16_exact(weight: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def bf16_kernel_faster() -> bool:
-    """Whether ``woq_cpu.bf16_linear`` beats oneDNN's packed bf16 linear by 10% at one row here:
-    each timed on 4 copies of a bf16 [4096, 2048] weight taken in turn (64 MB: no copy stays in
-    cache), best of 3 passes of 8 calls. Measured rather than assumed: which one streams a bf16
-    weight faster depends on the CPU (how it runs 512-bit operations, its prefetchers)."""
+    """Whether ``Bf16WeightLinear`` (its kernel: ``bf16_pairs_linear`` where the CPU has bf16 dot
+    products, else ``bf16_linear``) beats oneDNN's packed bf16 linear by 10% at one row here: each
+    timed on 4 copies of a bf16 [4096, 2048] weight taken in turn (64 MB: no copy stays in cache),
+    best of 3 passes of 8 calls. Measured rather than assumed: which one streams a bf16 weight faster
+    depends on the CPU (how it runs 512-bit operations, its prefetchers)."""
     if not (woq_cpu.available() and _onednn_packs_bf16()):
         return False
-    weights = [torch.full((4096, 2048), 0.01, dtype=torch.bfloat16) for _ in range(4)]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+    linears = [nn.Linear(2048, 4096, bias=False, dtype=torch.bfloat16) for _ in range(4)]
+    for lin in linears:
+        nn.init.constant_(lin.weight, 0.01)
+    layers = [Bf16WeightLinear(lin) for lin in linears]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), 1) for lin in linears]
     x = torch.randn(1, 2048).to(torch.bfloat16)
 
     def best(call) -> float:
@@ -180,7 +193,7 @@ def bf16_kernel_faster() -> bool:
             times.append(time.perf_counter() - start)
         return min(times)
 
-    kernel = best(lambda i: woq_cpu.bf16_linear(x, weights[i]))
+    kernel = best(lambda i: layers[i](x))
     onednn = best(lambda i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""))
     return kernel < 0.9 * onednn
 

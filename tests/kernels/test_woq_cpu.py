@@ -291,6 +291,60 @@ def test_bf16_linear_past_the_kernel_rows_widens_slices_of_outputs(monkeypatch):
     torch.testing.assert_close(y.view(130, 37), x @ w.float().T, rtol=1e-6, atol=1e-5)
 
 
+@pytest.fixture
+def pairs_kernel(kernel_isa):
+    """Skips where ``bf16_pairs_linear`` has no kernel (no avx512_bf16, or the AVX2 build under test)."""
+    if not woq_cpu.bf16_pairs_available():
+        pytest.skip("no avx512_bf16 kernel here")
+
+
+def test_the_pair_layout_holds_each_16_outputs_2_inputs_in_one_run_and_unpacks_exactly():
+    w = torch.arange(32 * 64, dtype=torch.float32).view(32, 64).to(torch.bfloat16)
+    packed = woq_cpu.pack_bf16_pairs(w)
+    assert packed.shape == (32, 64)
+    flat = packed.reshape(-1)
+    # block 1 (outputs 16..31), inputs 6 and 7: outputs 16..31 interleaved, at pair 3 of that block
+    run = flat[16 * 64 + 3 * 32:16 * 64 + 4 * 32].view(16, 2)
+    assert torch.equal(run, w[16:32, 6:8])
+    assert torch.equal(woq_cpu.unpack_bf16_pairs(packed), w)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 130])
+def test_bf16_pairs_kernel_is_the_product_of_bf16_rounded_rows_within_the_float32_bound(pairs_kernel, rows):
+    w, x = bf16_case(80, 320, rows, seed=rows)  # 5 blocks of 16 outputs: a 4-block tile and a 1-block one
+    bias = torch.randn(80)
+    y = woq_cpu.bf16_pairs_linear(x, woq_cpu.pack_bf16_pairs(w), bias).double()
+    xr = x.to(torch.bfloat16).double()  # the activations rounded to bf16, products exact in float32
+    exact = xr @ w.double().T + bias.double()
+    bound = (320 + 3) * 2.0 ** -24 * (xr.abs() @ w.double().abs().T + bias.double().abs()) + 1e-30
+    assert y.shape == (rows, 80) and (y - exact).abs().le(bound).all(), (y - exact).abs().max()
+    assert not torch.allclose(y, x.double() @ w.double().T + bias.double(), rtol=0, atol=1e-7)  # x was rounded
+
+
+def test_bf16_pairs_kernel_row_i_of_an_m_row_call_equals_the_one_row_call_bitwise(pairs_kernel):
+    w, x = bf16_case(64, 512, 13, seed=8)
+    x[4] *= 1000
+    packed = woq_cpu.pack_bf16_pairs(w)
+    full = woq_cpu.bf16_pairs_linear(x, packed)
+    for m in range(1, 14):
+        assert torch.equal(woq_cpu.bf16_pairs_linear(x[:m], packed), full[:m])
+    for i in range(13):
+        assert torch.equal(woq_cpu.bf16_pairs_linear(x[i:i + 1], packed), full[i:i + 1])
+
+
+def test_bf16_pairs_linear_without_the_kernel_gives_the_same_values(monkeypatch):
+    w, x = bf16_case(48, 64, 5, seed=9)
+    packed = woq_cpu.pack_bf16_pairs(w)
+    kernel = woq_cpu.bf16_pairs_linear(x.view(5, 1, 64), packed)
+    monkeypatch.setattr(woq_cpu, "bf16_pairs_available", lambda: False)
+    reference = woq_cpu.bf16_pairs_linear(x.view(5, 1, 64), packed)
+    assert reference.shape == kernel.shape == (5, 1, 48)
+    torch.testing.assert_close(kernel, reference, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(reference.view(5, 48), x.to(torch.bfloat16).float() @ w.float().T, rtol=0, atol=0)
+    out = woq_cpu.bf16_pairs_linear(x.to(torch.bfloat16), packed)
+    assert out.dtype == torch.bfloat16
+
+
 def k_quant_scales(n: int, k: int, group: int, seed: int, signed: bool) -> torch.Tensor:
     """[n, k / group] float32 scales as a GGUF K-quant holds them: an fp16 factor per 256 inputs
     times small integer codes (Q4_K: 0..63, the largest 63; Q6_K: -128..127, the largest -128)."""

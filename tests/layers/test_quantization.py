@@ -89,24 +89,37 @@ def test_bf16_weight_linear_on_a_bf16_model_equals_f_linear(rows):
 
 
 @pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
-@pytest.mark.parametrize("bf16_cpu", [True, False])
-def test_bf16_weight_linear_in_a_float32_model_takes_a_bf16_gemm_for_many_rows_only_where_the_cpu_has_one(
-        monkeypatch, bf16_cpu):
-    from specdec.worker import device
+@pytest.mark.parametrize("pairs_cpu", [True, False])
+def test_bf16_weight_linear_from_a_bf16_linear_takes_the_pair_kernel_only_where_the_cpu_has_bf16_dot_products(
+        monkeypatch, pairs_cpu):
+    if pairs_cpu and not woq_cpu.bf16_pairs_available():
+        pytest.skip("no avx512_bf16 here")
+    monkeypatch.setattr(woq_cpu, "bf16_pairs_available", lambda: pairs_cpu)
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 96, bias=True).to(torch.bfloat16)
+    layer = Bf16WeightLinear(lin)
+    layer.bias.data = layer.bias.float()  # as widen_to_float32 leaves it
+    assert layer.pairs == pairs_cpu
+    assert torch.equal(layer.dequantized_weight(), lin.weight.float())
+    for rows in (1, 6, 16, 129):
+        x = torch.randn(rows, 128)
+        out = layer(x)
+        assert out.dtype == torch.float32 and out.shape == (rows, 96)
+        if pairs_cpu:  # activations rounded to bf16, every row count
+            assert torch.equal(out, woq_cpu.bf16_pairs_linear(x, layer.weight_bf16, layer.bias))
+        else:  # float32 products, the kernel up to its row limit
+            torch.testing.assert_close(out, F.linear(x, lin.weight.float(), layer.bias), rtol=1e-5, atol=1e-5)
 
-    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: bf16_cpu)
+
+@pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
+def test_bf16_weight_linear_from_a_float32_linear_keeps_float32_products_for_every_row_count():
     torch.manual_seed(0)
     lin = nn.Linear(128, 96, bias=True).to(torch.bfloat16).float()
     layer = Bf16WeightLinear(lin)
-    kernel_rows = woq_cpu.BF16_GEMM_MIN_ROWS - 1 if bf16_cpu else woq_cpu.BF16_KERNEL_MAX_ROWS
-    decode, prefill = torch.randn(kernel_rows, 128), torch.randn(kernel_rows + 1, 128)
+    assert not layer.pairs and torch.equal(layer.weight_bf16.float(), lin.weight)
+    decode, prefill = torch.randn(woq_cpu.BF16_KERNEL_MAX_ROWS, 128), torch.randn(woq_cpu.BF16_KERNEL_MAX_ROWS + 1, 128)
     assert torch.equal(layer(decode), woq_cpu.bf16_linear(decode, layer.weight_bf16, layer.bias))
-    out = layer(prefill)
-    assert out.dtype == torch.float32
-    if bf16_cpu:  # the activations rounded to bf16, the bias added in float32
-        assert torch.equal(out, F.linear(prefill.bfloat16(), layer.weight_bf16).float() + layer.bias)
-    else:
-        torch.testing.assert_close(out, F.linear(prefill, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(prefill), F.linear(prefill, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
@@ -115,7 +128,7 @@ def test_a_bf16_model_given_bf16_weights_keeps_them_and_widens_the_rest_to_float
     model = nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(40, 8)).to(torch.bfloat16)
     weight = model[0].weight.detach().clone()
     prepare_for_inference(model, None, torch.device("cpu"), bf16_weights="exact")
-    assert isinstance(model[0], Bf16WeightLinear) and torch.equal(model[0].weight_bf16, weight)
+    assert isinstance(model[0], Bf16WeightLinear) and torch.equal(model[0].dequantized_weight(), weight.float())
     assert model[0].bias.dtype == torch.float32 and model[1].weight.dtype == torch.float32
     assert isinstance(model[2], nn.Linear) and model[2].weight.dtype == torch.float32  # 40 inputs: widened
     assert model[1](model[0](torch.randn(3, 64))).dtype == torch.float32
@@ -204,15 +217,16 @@ def test_bf16_weights_exact_keeps_only_linears_bf16_holds_and_computes_the_same(
 
 
 @pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
-def test_a_copied_bf16_weight_linear_multiplies_by_its_own_weight():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_copied_bf16_weight_linear_multiplies_by_its_own_weight(dtype):
     import copy
 
     torch.manual_seed(0)
-    layer = Bf16WeightLinear(nn.Linear(64, 32, bias=False))
+    layer = Bf16WeightLinear(nn.Linear(64, 32, bias=False, dtype=dtype))
     x = torch.randn(2, 64)
     before = layer(x)  # binds the kernel call to this weight
     twin = copy.deepcopy(layer)
     twin.weight_bf16.mul_(2)  # the copy's own weight: the original is untouched
     assert torch.equal(layer(x), before)
-    assert torch.equal(twin(x), woq_cpu.bf16_linear(x, twin.weight_bf16))
+    assert torch.equal(twin(x), 2 * before)  # times 2 is exact in bf16 and in the float32 sums
     assert not torch.equal(twin(x), before)

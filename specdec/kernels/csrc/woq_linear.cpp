@@ -122,6 +122,47 @@ void bf16_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float*
     for (int m = 0; m < MB; ++m) y[m * ldy + n] = vreduce_add(acc[n][m]);
 }
 
+#if defined(__AVX512F__)
+// bf16 weights in pair layout, bf16 activations, bf16 dot products with float32 accumulation, for
+// CPUs with avx512_bf16 (compiled for it here, called only where the CPU has it). Pair layout
+// (woq_cpu.pack_bf16_pairs): [N / 16][K / 2][16][2], so one 64-byte load holds 16 outputs' weights
+// for 2 consecutive inputs, and one vdpbf16ps adds both inputs' products to 16 outputs' float32
+// sums, the pair's activations broadcast. Each output's sum runs over the pairs in order whatever
+// M is and whichever rows share a tile, so row i of an M-row call equals the 1-row call bit for
+// bit. No horizontal sums; each 16-output block is one sequential stream.
+template <int NB, int MB>
+__attribute__((target("avx512bf16,avx512f,avx512bw")))
+void bf16_pairs_tile(const uint32_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+  const int64_t block = 16 * K;  // one 16-output block of the pair layout, in bf16 elements
+  for (int64_t p = 0; p < K / 2; ++p) {
+    __m512i wv[NB];
+    for (int n = 0; n < NB; ++n) wv[n] = _mm512_loadu_si512(w + n * block + p * 32);
+    for (int m = 0; m < MB; ++m) {
+      const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(x[m * ldx + p]));
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)wv[n], (__m512bh)xv);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) _mm512_storeu_ps(y + m * ldy + n * 16, acc[m][n]);
+}
+
+// rows of M in tiles of MaxMB, the rest in one smaller tile
+template <int NB, int MaxMB, typename F>
+void pair_rows(int64_t M, F&& tile) {
+  int64_t m = 0;
+  for (; m + MaxMB <= M; m += MaxMB) tile(std::integral_constant<int, NB>{}, std::integral_constant<int, MaxMB>{}, m);
+  switch (M - m) {
+#define SPECDEC_ROWS(r) case r: tile(std::integral_constant<int, NB>{}, std::integral_constant<int, r>{}, m); break;
+    SPECDEC_ROWS(1) SPECDEC_ROWS(2) SPECDEC_ROWS(3) SPECDEC_ROWS(4) SPECDEC_ROWS(5)
+#undef SPECDEC_ROWS
+    default: break;
+  }
+}
+#endif
+
 // Dispatch a runtime (nb, mb) to the template instance; tiles are at most MaxNB x MaxMB.
 template <int NB, int MaxMB, typename F>
 void rows_loop(int64_t M, F&& tile) {
@@ -237,8 +278,48 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   return finish(y, x, N);
 }
 
+#if defined(__AVX512F__)
+// y = x @ W^T (+ bias) for a bf16 weight in pair layout [N, K] (N % 16 == 0, K % 32 == 0): x rounded to
+// bf16, float32 sums; the result in x's dtype. Tiles: 4 blocks of 16 outputs x 6 rows (24 sums).
+at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dtype() == at::kBFloat16 && weight.is_contiguous() && weight.dim() == 2,
+              "bf16 pairs linear: contiguous bf16 [N, K] weight in pair layout");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "bf16 pairs linear: N must be a multiple of 16 and K of 32");
+  TORCH_CHECK(x.size(-1) == K, "bf16 pairs linear: x has ", x.size(-1), " inputs, the weight ", K);
+  const at::Tensor xb = x.reshape({-1, K}).to(at::kBFloat16).contiguous();
+  const int64_t M = xb.size(0);
+  at::Tensor y = at::empty({M, N}, xb.options().dtype(at::kFloat));
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  float* yp = y.data_ptr<float>();
+  constexpr int NB = 4, MB = 6;
+  const int64_t vectors = N / 16, num_blocks = (vectors + NB - 1) / NB;
+  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t v0 = b * NB;
+      auto at_v0 = [&](auto nb, auto mb, int64_t m0) {
+        bf16_pairs_tile<decltype(nb)::value, decltype(mb)::value>(xp + m0 * (K / 2), K / 2, wp + v0 * 16 * K, K,
+                                                                  yp + m0 * N + v0 * 16, N);
+      };
+      switch (std::min<int64_t>(NB, vectors - v0)) {
+        case 4: pair_rows<4, MB>(M, at_v0); break;
+        case 3: pair_rows<3, MB>(M, at_v0); break;
+        case 2: pair_rows<2, MB>(M, at_v0); break;
+        default: pair_rows<1, MB>(M, at_v0); break;
+      }
+    }
+  });
+  specdec_cpu_common::add_bias(y, bias);
+  return finish(y, x, N);
+}
+#endif
+
 TORCH_LIBRARY(SPECDEC_LIB, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor", &int8_linear);
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets) -> Tensor", &int4_linear);
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", &bf16_linear);
+#if defined(__AVX512F__)
+  m.def("bf16_pairs_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", &bf16_pairs_linear);
+#endif
 }
