@@ -1,7 +1,7 @@
 """The int8 / int4 weight-only CPU kernel, the bf16-weight float32 one and the bf16 dot-product one
-(``csrc/woq_linear.cpp``: ``linear``, ``bf16_linear``, ``bf16_pairs_linear``) and the int8-activation kernel (``csrc/woq_a8.cpp``, ``linear_a8``),
-each built on first use (``cpp_build``) for the best instruction set this CPU runs: AVX-512 (the
-int8-activation kernel: AVX-512 VNNI) or AVX2 + FMA.
+(``csrc/woq_linear.cpp``: ``linear``, ``bf16_linear``, ``bf16_pairs_linear``) and the int8-activation
+kernel (``csrc/woq_a8.cpp``, ``linear_a8``), each built on first use (``cpp_build``) for the best
+instruction set this CPU runs: AVX-512 (the int8-activation kernel: AVX-512 VNNI) or AVX2 + FMA.
 
 Where none can run (no AVX2, no compiler, a failed build, ``SPECDEC_DISABLE_WOQ_KERNEL=1``)
 ``available()`` is False after one warning and ``linear`` runs ``woq_format.reference_linear``
@@ -133,12 +133,12 @@ def bf16_pairs_available() -> bool:
     return "avx512_bf16" in flags and build_args()[0] == "avx512" and available()
 
 
+PAIR_BLOCK = 16  # outputs per block of the pair layout
+
+
 def supports_pairs(n: int, k: int) -> bool:
     """Whether a [n, k] weight takes the pair layout (whole 16-output blocks, k a multiple of 32)."""
     return n % PAIR_BLOCK == 0 and k % 32 == 0
-
-
-PAIR_BLOCK = 16  # outputs per block of the pair layout
 
 
 def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,6 @@ from specdec.kernels.woq_format import (
     supports_a8,
 )
 from specdec.layers.fp8 import Fp8Linear
-from specdec.worker import device as device_info
 
 INT4_GROUP_SIZE = 128  # inputs per int4 scale / offset: 4.5 bits per weight with float32 scales
 

@@ -148,32 +148,23 @@ void bf16_pairs_tile(const uint32_t* x, int64_t ldx, const uint16_t* w, int64_t 
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) _mm512_storeu_ps(y + m * ldy + n * 16, acc[m][n]);
 }
+#endif
 
-// rows of M in tiles of MaxMB, the rest in one smaller tile
-template <int NB, int MaxMB, typename F>
-void pair_rows(int64_t M, F&& tile) {
-  int64_t m = 0;
-  for (; m + MaxMB <= M; m += MaxMB) tile(std::integral_constant<int, NB>{}, std::integral_constant<int, MaxMB>{}, m);
-  switch (M - m) {
-#define SPECDEC_ROWS(r) case r: tile(std::integral_constant<int, NB>{}, std::integral_constant<int, r>{}, m); break;
-    SPECDEC_ROWS(1) SPECDEC_ROWS(2) SPECDEC_ROWS(3) SPECDEC_ROWS(4) SPECDEC_ROWS(5)
-#undef SPECDEC_ROWS
-    default: break;
+// The last `rest` rows (rest <= R) in one tile of exactly that many rows.
+template <int NB, int R, typename F>
+void rest_rows(int64_t rest, int64_t m, F&& tile) {
+  if constexpr (R > 0) {
+    if (rest == R) tile(std::integral_constant<int, NB>{}, std::integral_constant<int, R>{}, m);
+    else rest_rows<NB, R - 1>(rest, m, tile);
   }
 }
-#endif
 
 // Dispatch a runtime (nb, mb) to the template instance; tiles are at most MaxNB x MaxMB.
 template <int NB, int MaxMB, typename F>
 void rows_loop(int64_t M, F&& tile) {
   int64_t m = 0;
   for (; m + MaxMB <= M; m += MaxMB) tile(std::integral_constant<int, NB>{}, std::integral_constant<int, MaxMB>{}, m);
-  switch (M - m) {
-    case 1: tile(std::integral_constant<int, NB>{}, std::integral_constant<int, 1>{}, m); break;
-    case 2: tile(std::integral_constant<int, NB>{}, std::integral_constant<int, 2>{}, m); break;
-    case 3: tile(std::integral_constant<int, NB>{}, std::integral_constant<int, 3>{}, m); break;
-    default: break;
-  }
+  rest_rows<NB, MaxMB - 1>(M - m, m, tile);
 }
 
 template <int MaxNB, int MaxMB, typename F>
@@ -280,7 +271,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
 
 #if defined(__AVX512F__)
 // y = x @ W^T (+ bias) for a bf16 weight in pair layout [N, K] (N % 16 == 0, K % 32 == 0): x rounded to
-// bf16, float32 sums; the result in x's dtype. Tiles: 4 blocks of 16 outputs x 6 rows (24 sums).
+// bf16, float32 sums; the result in x's dtype.
 at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.dtype() == at::kBFloat16 && weight.is_contiguous() && weight.dim() == 2,
               "bf16 pairs linear: contiguous bf16 [N, K] weight in pair layout");
@@ -293,22 +284,10 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& weight, cons
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   float* yp = y.data_ptr<float>();
-  constexpr int NB = 4, MB = 6;
-  const int64_t vectors = N / 16, num_blocks = (vectors + NB - 1) / NB;
-  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t v0 = b * NB;
-      auto at_v0 = [&](auto nb, auto mb, int64_t m0) {
-        bf16_pairs_tile<decltype(nb)::value, decltype(mb)::value>(xp + m0 * (K / 2), K / 2, wp + v0 * 16 * K, K,
-                                                                  yp + m0 * N + v0 * 16, N);
-      };
-      switch (std::min<int64_t>(NB, vectors - v0)) {
-        case 4: pair_rows<4, MB>(M, at_v0); break;
-        case 3: pair_rows<3, MB>(M, at_v0); break;
-        case 2: pair_rows<2, MB>(M, at_v0); break;
-        default: pair_rows<1, MB>(M, at_v0); break;
-      }
-    }
+  // blocks of outputs counted in 16-output vectors: 4 vectors x 6 rows per tile (24 sums)
+  blocks_loop<4, 6>(M, N / 16, [&](auto nb, auto mb, int64_t v0, int64_t m0) {
+    bf16_pairs_tile<decltype(nb)::value, decltype(mb)::value>(xp + m0 * (K / 2), K / 2, wp + v0 * 16 * K, K,
+                                                              yp + m0 * N + v0 * 16, N);
   });
   specdec_cpu_common::add_bias(y, bias);
   return finish(y, x, N);
