@@ -8,8 +8,9 @@ processes on a shared VM differ by more than most kernel changes).
 The call sequence is one decode step's linears of a Qwen2.5-1.5B Q4_K_M model as specdec runs it
 (28 layers of q/k/v, o, gate_up, down: int4 groups of 32, the Q6_K ones int8 groups of 16, and an
 int8 LM head), with group scales in the two-level form GGUF K-quants take (codes times a factor
-per super-block of 256 inputs). Both kernels must read the same weight layout: the script checks their outputs are
-equal before timing and stops otherwise.
+per super-block of 256 inputs). Each kernel gets the weights in its own layout, prepared by its
+revision's ``woq_cpu.A8Weight``; the script checks the two compute the same function (to float32
+rounding) before timing and stops otherwise.
 
     python scripts/woq_a8_ab.py --rev HEAD --rows 1,2,6,7 --rounds 9
 
@@ -19,6 +20,7 @@ the medians (working tree / revision).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import subprocess
 import sys
@@ -38,19 +40,24 @@ CSRC = "specdec/kernels/csrc"
 
 
 def build_revision(rev: str):
-    """a8_linear of ``rev``'s kernel, built from its own sources under namespace specdec_woq_a8_rev."""
+    """(a8_linear of ``rev``'s kernel, built from its own sources under namespace specdec_woq_a8_rev;
+    ``rev``'s woq_cpu module, which prepares the weights in its layout)."""
     isa, flags, needs = woq_cpu.build_args(None, a8=True)
     src = Path(tempfile.mkdtemp(prefix="woq_a8_rev_"))
-    for name in ("woq_a8.cpp", "common.h"):
-        text = subprocess.run(["git", "show", f"{rev}:{CSRC}/{name}"], cwd=ROOT, check=True, capture_output=True,
-                              text=True).stdout
-        (src / name).write_text(text)
+    for name in ("woq_a8.cpp", "common.h", "../woq_cpu.py"):
+        text = subprocess.run(["git", "show", f"{rev}:{CSRC}/{name}".replace("csrc/../", "")], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
+        (src / Path(name).name).write_text(text)
+    spec = importlib.util.spec_from_file_location("woq_cpu_rev", src / "woq_cpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
     ns = "specdec_woq_a8_rev"
     ops = cpp_build.load_ops(ns, "woq_a8.cpp", ns, ["-O3", *flags, f"-DSPECDEC_LIB={ns}"], needs=needs,
                              what=f"{rev}'s kernel", fallback="nothing to compare", csrc=src)
     if ops is None:
         raise SystemExit(f"{rev}'s kernel did not build (see the warning above)")
-    return ops.a8_linear.default
+    return ops.a8_linear.default, module
 
 
 def kquant_values(values: torch.Tensor, group_size: int, top: int) -> torch.Tensor:
@@ -63,8 +70,8 @@ def kquant_values(values: torch.Tensor, group_size: int, top: int) -> torch.Tens
     return ((blocks / factor).round() * factor).reshape(values.shape)
 
 
-def step_weights(seed: int = 0) -> list[tuple[tuple, int]]:
-    """(kernel arguments, bytes) of each linear of one decode step, in order."""
+def step_weights(modules: dict, seed: int = 0) -> list[tuple[dict, int, int]]:
+    """({kernel: its arguments}, K, bytes) of each linear of one decode step, in order."""
     gen = torch.Generator().manual_seed(seed)
 
     def make(n: int, k: int, int4: bool):
@@ -73,9 +80,12 @@ def step_weights(seed: int = 0) -> list[tuple[tuple, int]]:
         q.scales = kquant_values(q.scales, 32 if int4 else 16, 63 if int4 else 127)
         if int4:
             q.offsets = kquant_values(q.offsets, 32, 63)
-        a8 = woq_cpu.A8Weight.prepare(q)
-        assert a8.kernel_scales[1] is not None, "expected the two-level scale form"
-        return woq_cpu.a8_kernel_args(a8), q.nbytes
+        args = {}
+        for name, module in modules.items():
+            a8 = module.A8Weight.prepare(q)
+            assert a8.kernel_scales[1] is not None, "expected the two-level scale form"
+            args[name] = module.a8_kernel_args(a8)
+        return args, k, q.nbytes
 
     out = []
     for layer in range(28):
@@ -96,22 +106,24 @@ def main() -> int:
     ours = woq_cpu.extension_a8()
     if ours is None:
         raise SystemExit("the working tree's kernel did not build (see the warning above)")
-    kernels = {"rev": build_revision(args.rev), "tree": ours.a8_linear.default}
+    rev_op, rev_module = build_revision(args.rev)
+    kernels = {"rev": rev_op, "tree": ours.a8_linear.default}
     torch.set_num_threads(args.num_threads)
-    weights = step_weights()
-    total_mb = sum(b for _, b in weights) / 1e6
+    weights = step_weights({"rev": rev_module, "tree": woq_cpu})
+    total_mb = sum(b for _, _, b in weights) / 1e6
     print(f"{len(weights)} linears, {total_mb:.0f} MB of weights, {args.num_threads} threads, rev {args.rev}")
     for m in (int(v) for v in args.rows.split(",")):
-        xs = {k: torch.randn(m, k) for k in {a[-1] for a, _ in weights}}
-        for a, _ in weights[:6] + weights[-1:]:
-            if not torch.equal(kernels["rev"](xs[a[-1]], *a, None), kernels["tree"](xs[a[-1]], *a, None)):
-                raise SystemExit(f"M={m}: the kernels disagree (different weight layouts?); not timed")
+        xs = {k: torch.randn(m, k) for k in {k for _, k, _ in weights}}
+        for a, k, _ in weights[:6] + weights[-1:]:
+            y = {name: op(xs[k], *a[name], None) for name, op in kernels.items()}
+            if not torch.allclose(y["rev"], y["tree"], rtol=1e-4, atol=1e-4):
+                raise SystemExit(f"M={m}: the kernels disagree; not timed")
         times = {name: [] for name in kernels}
         for rnd in range(args.rounds + 1):  # the first round warms up, untimed
             for name, op in kernels.items():
                 t = time.perf_counter()
-                for a, _ in weights:
-                    op(xs[a[-1]], *a, None)
+                for a, k, _ in weights:
+                    op(xs[k], *a[name], None)
                 if rnd:
                     times[name].append((time.perf_counter() - t) * 1e3)
         med = {name: statistics.median(v) for name, v in times.items()}

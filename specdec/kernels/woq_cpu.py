@@ -200,30 +200,6 @@ def extension_a8(isa: str | None = None):
     return _load("woq_a8", *build_args(isa, a8=True))
 
 
-def a8_chunks(k: int, group_size: int = 32) -> list[tuple[int, int]]:
-    """(start, size) of the chunks ``csrc/woq_a8.cpp`` cuts K into: 512, 256, 128, 64, largest first,
-    at most 16 weight groups each (a lane's inputs stay in one group)."""
-    out, c0 = [], 0
-    while c0 < k:
-        c = 512
-        while c > k - c0 or c // 16 > group_size:
-            c //= 2
-        out.append((c0, c))
-        c0 += c
-    return out
-
-
-def a8_order(k: int, group_size: int = 32) -> torch.Tensor:
-    """[K] int64: position p of the kernel's chunk order holds input ``a8_order(k)[p]`` (in a chunk
-    of C inputs, step s, lane l, byte t: input start + l * C / 16 + 4 s + t)."""
-    parts = []
-    for c0, c in a8_chunks(k, group_size):
-        w = c // 16
-        s, lane, t = torch.meshgrid(torch.arange(c // 64), torch.arange(16), torch.arange(4), indexing="ij")
-        parts.append((c0 + lane * w + 4 * s + t).reshape(-1))
-    return torch.cat(parts)
-
-
 SUPER_BLOCK = 256  # inputs per super-block of two-level scales (GGUF's K-quants)
 # (divisor, sign) tried per super-block for two-level scales, factor = sign * (the block's value
 # of largest magnitude) / divisor: that group's code is 63 in a llama.cpp Q4_K block (scales and
@@ -255,33 +231,64 @@ def compact_scales(values: torch.Tensor, group_size: int, half: bool = True) -> 
     return codes.to(torch.int8).reshape(values.shape), factor.reshape(values.shape[0], -1).contiguous()
 
 
-A8_ROW_GROUP = 4  # csrc/woq_a8.cpp's kRowGroup
+A8_BLOCK_OUTPUTS = 16  # csrc/woq_a8.cpp's kBlock: outputs per block of the layout
 
 
-def interleave_rows(rows: torch.Tensor, step_bytes: int, inverse: bool = False) -> torch.Tensor:
-    """[N, R] bytes, R = steps * step_bytes, with each group of ``A8_ROW_GROUP`` rows (the last one:
-    the rest) stored step by step: the group's rows' step 0, then their step 1, ... (the kernel's
-    weight layout; ``inverse``: back to row-major). The shape stays [N, R]."""
-    n, r = rows.shape
-    steps, full = r // step_bytes, n - n % A8_ROW_GROUP
-    out = torch.empty_like(rows)
-    for start, count, g in ((0, full, A8_ROW_GROUP), (full, n - full, n - full)):
-        if count == 0:
-            continue
-        part = rows[start:start + count]
-        shape = (count // g, steps, g, step_bytes) if inverse else (count // g, g, steps, step_bytes)
-        out[start:start + count] = part.reshape(shape).transpose(1, 2).reshape(count, r)
-    return out
+def _padded(n: int) -> int:
+    return -(-n // A8_BLOCK_OUTPUTS) * A8_BLOCK_OUTPUTS
+
+
+def block_rows(values: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """[N, R] per-output values (N a multiple of 16) stored as the kernel reads them, per block of 16
+    outputs R-major: [N / 16][R][16] (``inverse``: back to [N, R] rows). The shape stays [N, R]."""
+    n, r = values.shape
+    shape = (n // A8_BLOCK_OUTPUTS, r, A8_BLOCK_OUTPUTS) if inverse else (n // A8_BLOCK_OUTPUTS, A8_BLOCK_OUTPUTS, r)
+    return values.reshape(shape).transpose(1, 2).contiguous().view(n, r)
+
+
+def pad_rows(values: torch.Tensor) -> torch.Tensor:
+    """[N, R] with zero rows appended up to a multiple of 16 outputs."""
+    extra = _padded(values.shape[0]) - values.shape[0]
+    return values if extra == 0 else torch.cat([values, values.new_zeros(extra, values.shape[1])])
+
+
+def a8_int8_layout(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the kernel's [N padded to 16, K]: per block of 16 outputs, vector j (64 bytes)
+    holds inputs 4j .. 4j + 3 of each output, output o in bytes 4o .. 4o + 3."""
+    return block_rows(pad_rows(q).contiguous().view(torch.int32)).view(torch.int8)
+
+
+def a8_int4_layout(values: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> the kernel's uint8 [N padded to 16, K / 2]: per block of 16 outputs,
+    vector j (64 bytes) holds inputs 8j .. 8j + 7 of each output, output o in bytes 4o .. 4o + 3,
+    byte t with input 8j + t in its low nibble and 8j + 4 + t in its high one."""
+    v = pad_rows(values.to(torch.uint8))
+    n, k = v.shape
+    octets = v.view(n, k // 8, 2, 4)
+    words = (octets[:, :, 0] | (octets[:, :, 1] << 4)).reshape(n, k // 2).view(torch.int32)
+    return block_rows(words).view(torch.uint8)
+
+
+def a8_int8_values(layout: torch.Tensor, n: int) -> torch.Tensor:
+    """``a8_int8_layout``'s inverse: the int8 [n, K] weight."""
+    return block_rows(layout.view(torch.int32), inverse=True).view(torch.int8)[:n]
+
+
+def a8_int4_values(layout: torch.Tensor, n: int) -> torch.Tensor:
+    """``a8_int4_layout``'s inverse: [n, K] values 0..15."""
+    rows, half = layout.shape
+    octets = block_rows(layout.view(torch.int32), inverse=True).view(torch.uint8).reshape(rows, half // 4, 4)
+    return torch.stack([octets & 0xF, octets >> 4], dim=2).reshape(rows, 2 * half)[:n]
 
 
 @dataclass
 class A8Weight:
-    """An ``Int8Weight`` / ``Int4Weight`` with its integers in the VNNI kernel's chunk order (int8:
-    [N, K] int8; int4: [N, K / 2] uint8, 32 bytes per 64 positions, byte b = position b low,
-    b + 32 high), rows interleaved by ``interleave_rows``, and the source's scales and (int4)
-    offsets. ``source()`` gives the weight back.
+    """An ``Int8Weight`` / ``Int4Weight`` with its integers in the kernel's layout (``a8_int8_layout`` /
+    ``a8_int4_layout``: blocks of 16 outputs, N padded to a multiple of 16) and the source's scales
+    and (int4) offsets. ``source()`` gives the weight back.
     ``kernel_scales`` / ``kernel_offsets`` are the compact forms the kernel reads (``compact_scales``:
-    the same values in fewer bytes): ``(values, super-block factors or None)``."""
+    the same values in fewer bytes, padded and stored per block by ``block_rows``):
+    ``(values, super-block factors or None)``."""
     weight: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor | None  # int4 only
@@ -296,17 +303,17 @@ class A8Weight:
     def in_features(self) -> int:
         return self.weight.shape[1] * (2 if self.int4 else 1)
 
+    @property
+    def out_features(self) -> int:
+        return self.scales.shape[0]
+
     @classmethod
     def prepare(cls, weight: Int8Weight | Int4Weight) -> "A8Weight":
         if not supports_a8(weight):
             raise ValueError("int8 activations need K a multiple of 64 and weight groups a multiple of 32 (int8: 16)")
         if isinstance(weight, Int8Weight):
-            order = a8_order(weight.qweight.shape[1], weight.group_size)
-            return cls(interleave_rows(weight.qweight[:, order], 64), weight.scales, None).compacted()
-        n, k = weight.shape
-        q = weight.unpacked()[:, a8_order(k, weight.group_size)].view(n, k // 64, 2, 32)
-        return cls(interleave_rows((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2), 32), weight.scales,
-                   weight.offsets).compacted()
+            return cls(a8_int8_layout(weight.qweight), weight.scales, None).compacted()
+        return cls(a8_int4_layout(weight.unpacked()), weight.scales, weight.offsets).compacted()
 
     def compacted(self) -> "A8Weight":
         """With the kernel's compact scales; scales and offsets share one form (a weight whose
@@ -318,20 +325,20 @@ class A8Weight:
             scales, offsets = compact_scales(self.scales, g, half=False), compact_scales(self.offsets, g, half=False)
         if offsets is not None and offsets[0].dtype != scales[0].dtype:
             scales, offsets = (self.scales, None), (self.offsets, None)
-        return A8Weight(self.weight, self.scales, self.offsets, scales, offsets)
+        return A8Weight(self.weight, self.scales, self.offsets, _blocked(scales), _blocked(offsets))
 
     def source(self) -> Int8Weight | Int4Weight:
-        n, k = self.weight.shape[0], self.in_features
-        order = a8_order(k, k // self.scales.shape[1])
+        n = self.out_features
         if not self.int4:
-            q = torch.empty_like(self.weight)
-            q[:, order] = interleave_rows(self.weight, 64, inverse=True)
-            return Int8Weight(q, self.scales)
-        steps = interleave_rows(self.weight, 32, inverse=True).view(n, k // 64, 32)
-        values = torch.stack([steps & 0xF, steps >> 4], dim=2).reshape(n, k)  # chunk order
-        q = torch.empty_like(values)
-        q[:, order] = values
-        return Int4Weight(pack_nibbles(q), self.scales, self.offsets)
+            return Int8Weight(a8_int8_values(self.weight, n), self.scales)
+        return Int4Weight(pack_nibbles(a8_int4_values(self.weight, n)), self.scales, self.offsets)
+
+
+def _blocked(form: tuple | None) -> tuple | None:
+    """``compact_scales``' (values, factors or None) padded and stored per block of 16 outputs."""
+    if form is None:
+        return None
+    return tuple(None if t is None else block_rows(pad_rows(t)) for t in form)
 
 
 _NONE = torch.empty(0)
@@ -349,8 +356,8 @@ def linear_a8(x: torch.Tensor, weight: A8Weight, bias: torch.Tensor | None = Non
 
 def a8_kernel_args(weight: A8Weight) -> tuple:
     """The kernel's weight arguments for ``weight``: (integers, scales, offsets, scale factors,
-    offset factors, K); a module calls ``a8_linear(x, *args, bias)`` with them cached."""
-    scales, scales_sup = weight.kernel_scales or (weight.scales, None)
-    offsets, offsets_sup = (weight.kernel_offsets or (weight.offsets, None)) if weight.int4 else (scales, None)
+    offset factors, K, N); a module calls ``a8_linear(x, *args, bias)`` with them cached."""
+    scales, scales_sup = weight.kernel_scales or _blocked((weight.scales, None))
+    offsets, offsets_sup = (weight.kernel_offsets or _blocked((weight.offsets, None))) if weight.int4 else (scales, None)
     return (weight.weight, scales, offsets, _NONE if scales_sup is None else scales_sup,
-            _NONE if offsets_sup is None else offsets_sup, weight.in_features)
+            _NONE if offsets_sup is None else offsets_sup, weight.in_features, weight.out_features)

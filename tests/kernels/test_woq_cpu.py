@@ -178,25 +178,21 @@ def test_activation_quantization_is_as_documented():
 
 @needs_a8_kernel
 @pytest.mark.parametrize("k", [64, 576, 896, 1536])
-@pytest.mark.parametrize("int4,group", [(False, 32), (False, 16), (True, 32)])
-def test_kernel_quantizes_activations_as_the_reference_bitwise(k, int4, group):
+@pytest.mark.parametrize("int4", [False, True])
+def test_kernel_quantizes_activations_as_the_reference_bitwise(k, int4):
     g = torch.Generator().manual_seed(k)
     x = torch.randn(5, k, generator=g) * torch.logspace(-3, 3, k)[torch.randperm(k, generator=g)]
     x[1, 64:] = 0
     q, xs = quantize_activations(x)
-    xq, lane_scales, lane_sums = woq_cpu.extension_a8().a8_quantize(x, group, int4)
-    chunks = woq_cpu.a8_chunks(k, group)
-    assert all(c // 16 <= group for _, c in chunks)
-    order = woq_cpu.a8_order(k, group)
-    got = xq.view(torch.int8) if int4 else (xq.to(torch.int16) - 128).to(torch.int8)
-    assert torch.equal(got, q[:, order])
-    # lane j of a chunk of c inputs from c0 owns inputs c0 + j c / 16 ...: its scale is its block's
-    chunk_lane_first = [c0 + j * (c // 16) for c0, c in chunks for j in range(16)]
-    assert torch.equal(lane_scales, xs[:, [f // 32 for f in chunk_lane_first]])
+    xq, scales, scaled_sums = woq_cpu.extension_a8().a8_quantize(x, int4)
+    # int8 weights on VNNI take the activations + 128 as uint8; int4 (and AVX2) their int8 bits
+    shifted = not int4 and woq_cpu.build_args(None, a8=True)[0] == "avx512"
+    got = (xq.to(torch.int16) - 128).to(torch.int8) if shifted else xq.view(torch.int8)
+    assert torch.equal(got, q)
+    assert torch.equal(scales, xs)
     if int4:
-        sums = [q[:, f:f + c // 16].sum(-1) for c0, c in chunks for f in
-                [c0 + j * (c // 16) for j in range(16)]]
-        assert torch.equal(lane_sums, torch.stack(sums, 1).float())
+        sums = q.view(5, k // 32, 32).sum(-1).float()
+        assert torch.equal(scaled_sums, xs * sums)
 
 
 @needs_a8_kernel
@@ -228,20 +224,28 @@ def test_a8_row_i_of_an_m_row_call_equals_the_one_row_call_bitwise(fmt):
     assert torch.equal(woq_cpu.linear_a8(x[[7, 2, 9]], kw), full[[7, 2, 9]])
 
 
-@pytest.mark.parametrize("n", [1, 3, 4, 7, 8, 9])
-def test_a8_rows_are_stored_step_by_step_in_groups_of_four(n):
-    steps, step_bytes = 3, 2
-    rows = torch.arange(n * steps * step_bytes, dtype=torch.int32).reshape(n, steps * step_bytes)
-    stored = woq_cpu.interleave_rows(rows, step_bytes)
-    assert stored.shape == rows.shape
-    flat = stored.reshape(-1)
-    for r in range(n):
-        g = r - r % woq_cpu.A8_ROW_GROUP
-        size = min(woq_cpu.A8_ROW_GROUP, n - g)  # the last group: the rest
-        for s in range(steps):
-            at = g * steps * step_bytes + s * size * step_bytes + (r - g) * step_bytes
-            assert torch.equal(flat[at:at + step_bytes], rows[r, s * step_bytes:(s + 1) * step_bytes])
-    assert torch.equal(woq_cpu.interleave_rows(stored, step_bytes, inverse=True), rows)
+@pytest.mark.parametrize("n", [1, 16, 21, 37])
+def test_a8_layout_holds_16_outputs_x_4_bytes_per_vector_and_inverts(n):
+    g = torch.Generator().manual_seed(n)
+    k = 128
+    q8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    v4 = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    l8, l4 = woq_cpu.a8_int8_layout(q8), woq_cpu.a8_int4_layout(v4)
+    padded = -(-n // 16) * 16
+    assert l8.shape == (padded, k) and l4.shape == (padded, k // 2)
+    flat8, flat4 = l8.reshape(-1), l4.reshape(-1)
+    for o in range(n):
+        blk, lane = divmod(o, 16)
+        for j in (0, 5, k // 4 - 1):  # int8 vector j: inputs 4j .. 4j + 3, output lane at bytes 4 lane ..
+            at = blk * 16 * k + 64 * j + 4 * lane
+            assert torch.equal(flat8[at:at + 4], q8[o, 4 * j:4 * j + 4])
+        for j in (0, 3, k // 8 - 1):  # int4 vector j: inputs 8j .. 8j + 7, low nibbles the first four
+            at = blk * 8 * k + 64 * j + 4 * lane
+            assert torch.equal(flat4[at:at + 4], v4[o, 8 * j:8 * j + 4] | (v4[o, 8 * j + 4:8 * j + 8] << 4))
+    # the padding outputs are zero weights
+    assert woq_cpu.a8_int8_values(l8, padded)[n:].eq(0).all() and woq_cpu.a8_int4_values(l4, padded)[n:].eq(0).all()
+    assert torch.equal(woq_cpu.a8_int8_values(l8, n), q8)
+    assert torch.equal(woq_cpu.a8_int4_values(l4, n), v4)
 
 
 def test_a8_falls_back_to_the_reference_without_the_kernel(monkeypatch):
