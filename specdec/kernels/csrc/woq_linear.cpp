@@ -130,14 +130,22 @@ void bf16_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float*
 // sums, the pair's activations broadcast. Each output's sum runs over the pairs in order whatever
 // M is and whichever rows share a tile, so row i of an M-row call equals the 1-row call bit for
 // bit. No horizontal sums; each 16-output block is one sequential stream.
+//
+// Prefetch: with many rows a tile of outputs is compute-bound once its weights are in L2, but its
+// first row tile waits on memory. So each row tile also prefetches its share of the next tile's
+// weights (lines [pf_lo, pf_hi) from pf, one or more per step), and the memory streams while the
+// arithmetic runs.
 template <int NB, int MB>
 __attribute__((target("avx512bf16,avx512f,avx512bw")))
-void bf16_pairs_tile(const uint32_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
+void bf16_pairs_tile(const uint32_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy,
+                     const char* pf = nullptr, int64_t pf_lo = 0, int64_t pf_hi = 0) {
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
   const int64_t block = 16 * K;  // one 16-output block of the pair layout, in bf16 elements
+  const int64_t pf_step = (pf_hi - pf_lo + K / 2 - 1) / (K / 2);  // lines per step
   for (int64_t p = 0; p < K / 2; ++p) {
+    for (int64_t i = 0; i < pf_step && pf_lo < pf_hi; ++i, pf_lo += 1) _mm_prefetch(pf + 64 * pf_lo, _MM_HINT_T1);
     __m512i wv[NB];
     for (int n = 0; n < NB; ++n) wv[n] = _mm512_loadu_si512(w + n * block + p * 32);
     for (int m = 0; m < MB; ++m) {
@@ -284,10 +292,16 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& weight, cons
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   float* yp = y.data_ptr<float>();
-  // blocks of outputs counted in 16-output vectors: 4 vectors x 6 rows per tile (24 sums)
-  blocks_loop<4, 6>(M, N / 16, [&](auto nb, auto mb, int64_t v0, int64_t m0) {
-    bf16_pairs_tile<decltype(nb)::value, decltype(mb)::value>(xp + m0 * (K / 2), K / 2, wp + v0 * 16 * K, K,
-                                                              yp + m0 * N + v0 * 16, N);
+  // blocks of outputs counted in 16-output vectors: 4 vectors x 6 rows per tile (24 sums); from
+  // kPrefetchRows rows on, each row tile prefetches its share (m0 / M ..) of the next block's weights
+  constexpr int64_t kPrefetchRows = 20;
+  const int64_t nv = N / 16, block_lines = 16 * K * 2 / 64;  // 64-byte lines of one 16-output vector
+  blocks_loop<4, 6>(M, nv, [&](auto nb, auto mb, int64_t v0, int64_t m0) {
+    const int64_t next = v0 + 4, lines = M >= kPrefetchRows ? std::min<int64_t>(4, nv - next) * block_lines : 0;
+    const char* pf = lines > 0 ? reinterpret_cast<const char*>(wp + next * 16 * K) : nullptr;
+    bf16_pairs_tile<decltype(nb)::value, decltype(mb)::value>(
+        xp + m0 * (K / 2), K / 2, wp + v0 * 16 * K, K, yp + m0 * N + v0 * 16, N, pf,
+        lines > 0 ? lines * m0 / M : 0, lines > 0 ? lines * (m0 + decltype(mb)::value) / M : 0);
   });
   specdec_cpu_common::add_bias(y, bias);
   return finish(y, x, N);
