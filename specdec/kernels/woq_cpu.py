@@ -358,6 +358,8 @@ def a8_kernel_args(weight: A8Weight) -> tuple:
     """The kernel's weight arguments for ``weight``: (integers, scales, offsets, scale factors,
     offset factors, K, N); a module calls ``a8_linear(x, *args, bias)`` with them cached."""
     scales, scales_sup = weight.kernel_scales or _blocked((weight.scales, None))
-    offsets, offsets_sup = (weight.kernel_offsets or _blocked((weight.offsets, None))) if weight.int4 else (scales, None)
+    offsets, offsets_sup = (scales, None)
+    if weight.int4:
+        offsets, offsets_sup = weight.kernel_offsets or _blocked((weight.offsets, None))
     return (weight.weight, scales, offsets, _NONE if scales_sup is None else scales_sup,
             _NONE if offsets_sup is None else offsets_sup, weight.in_features, weight.out_features)

@@ -176,13 +176,15 @@ inline void group_values(const Args& a, const void* v, const float* sup, int64_t
   const int64_t at = (blk * a.ng + g) * kBlock;
   for (int h = 0; h < 2; ++h) {
     __m256 vals;
-    if (SF == kF32) vals = _mm256_loadu_ps(static_cast<const float*>(v) + at + 8 * h);
+    const int64_t i = at + 8 * h;
+    if (SF == kF32) vals = _mm256_loadu_ps(static_cast<const float*>(v) + i);
     else if (SF == kF16)
-      vals = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(v) + at + 8 * h)));
-    else
-      vals = _mm256_mul_ps(
-          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(v) + at + 8 * h)))),
-          _mm256_loadu_ps(sup + (blk * a.nsb + g * a.G / a.S) * kBlock + 8 * h));
+      vals = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(v) + i)));
+    else {
+      const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(v) + i));
+      vals = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)),
+                           _mm256_loadu_ps(sup + (blk * a.nsb + g * a.G / a.S) * kBlock + 8 * h));
+    }
     _mm256_store_ps(out + 8 * h, vals);
   }
 }
