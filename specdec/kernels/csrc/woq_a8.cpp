@@ -76,6 +76,13 @@ inline void store_outputs(const Args& a, int64_t m, int64_t blk, const float* v)
   std::memcpy(a.y + m * a.N + n0, v, sizeof(float) * count);
 }
 
+// the 4 activation bytes at p as one word (each is broadcast to every output of a vector)
+inline int32_t load_word(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 #if defined(__AVX512VNNI__)
 
 // The 16 values of group g of block blk.
@@ -98,11 +105,7 @@ __attribute__((always_inline)) inline void dpbusd(__m512i& acc, __m512i a, __m51
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
 }
 
-inline __m512i broadcast_word(const uint8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
+inline __m512i broadcast_word(const uint8_t* p) { return _mm512_set1_epi32(load_word(p)); }
 
 // Block blk (16 outputs) for rows 0 .. MB - 1. One block per tile: its weights are one sequential
 // stream (a tile of several blocks reads several, slower here even with each prefetched).
@@ -189,11 +192,7 @@ inline void group_values(const Args& a, const void* v, const float* sup, int64_t
   }
 }
 
-inline __m256i broadcast_word(const uint8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
+inline __m256i broadcast_word(const uint8_t* p) { return _mm256_set1_epi32(load_word(p)); }
 
 // Block blk for rows 0 .. MB - 1; a unit's 256 bytes per half stay in L1 between the halves.
 template <bool INT4, int SF, int MB>
