@@ -44,10 +44,10 @@ def build_revision(rev: str):
     ``rev``'s woq_cpu module, which prepares the weights in its layout)."""
     isa, flags, needs = woq_cpu.build_args(None, a8=True)
     src = Path(tempfile.mkdtemp(prefix="woq_a8_rev_"))
-    for name in ("woq_a8.cpp", "common.h", "../woq_cpu.py"):
-        text = subprocess.run(["git", "show", f"{rev}:{CSRC}/{name}".replace("csrc/../", "")], cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout
-        (src / Path(name).name).write_text(text)
+    for path in (f"{CSRC}/woq_a8.cpp", f"{CSRC}/common.h", "specdec/kernels/woq_cpu.py"):
+        text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
+                              text=True).stdout
+        (src / Path(path).name).write_text(text)
     spec = importlib.util.spec_from_file_location("woq_cpu_rev", src / "woq_cpu.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up

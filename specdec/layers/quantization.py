@@ -8,8 +8,8 @@
   (``woq_cpu.bf16_linear``): the values a float32 copy holds, half its bytes per decode step.
   A bf16 model (or one widened to float32 around its linears) takes it instead of ``PackedLinear``
   where it streams a weight at one row about as fast or faster (``bf16_kernel_faster``: timed once
-  per process on rotating copies of one weight); with avx512_bf16 it then runs bf16 dot products on a weight kept in pair
-  layout (``woq_cpu.bf16_pairs_linear``).
+  per process on rotating copies of one weight); with avx512_bf16 it then runs bf16 dot products on
+  a weight kept in pair layout (``woq_cpu.bf16_pairs_linear``).
 - ``WeightOnlyLinear`` (``"int8"``: symmetric per output channel; ``"int4"``: scale and
   offset per group of 128 inputs, LM head at int8): the weight stays quantized in memory, so a
   memory-bound step reads about a quarter (int8) or an eighth (int4) of float32's bytes; the CPU
@@ -174,10 +174,9 @@ def bf16_kernel_faster() -> bool:
     bf16 linear here, or faster: each timed on 4 copies of a bf16 [4096, 2048] weight taken in turn
     (64 MB: no copy stays in cache), the two alternating over 5 passes of 8 calls, best pass each.
     Measured rather than assumed: which one streams faster depends on the CPU (how it runs 512-bit
-    operations, its prefetchers). The margin is the kernel's: where the two stream alike (Zen 5),
-    the kernel's engine (float32 activations, fused float32 ops, the row-by-row attention kernel)
-    was the faster one end to end, and a test that asked for a clear win flipped between
-    processes there."""
+    operations, its prefetchers). Near-ties go to the kernel: its engine also brings float32
+    activations, the fused float32 ops and the row-by-row attention kernel, and a threshold that
+    sits on the tie would pick a different engine from one process to the next."""
     if not (woq_cpu.available() and _onednn_packs_bf16()):
         return False
     linears = [nn.Linear(2048, 4096, bias=False, dtype=torch.bfloat16) for _ in range(4)]

@@ -86,7 +86,7 @@ def test_wait_policy_serves_everyone_in_turn_and_drops_departed_waiters(make_ser
 
 def test_sigterm_past_the_timeout_ends_streams_in_band_and_a_second_sigterm_still_exits_0(make_server):
     srv = make_server(["--shutdown-timeout", "1", "--max-model-len", "1024"])
-    # long enough to outlast the 1 s timeout on a fast CPU (4 x 1000 tokens of the tiny model did not)
+    # long enough to outlast the 1 s timeout on a fast CPU
     long = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "n": 16}
     events: list[str] = []
     plain: list[httpx.Response] = []

@@ -108,7 +108,7 @@ __attribute__((always_inline)) inline void dpbusd(__m512i& acc, __m512i a, __m51
 inline __m512i broadcast_word(const uint8_t* p) { return _mm512_set1_epi32(load_word(p)); }
 
 // Block blk (16 outputs) for rows 0 .. MB - 1. One block per tile: its weights are one sequential
-// stream (a tile of several blocks reads several, slower here even with each prefetched).
+// stream, which the software prefetch follows kStreamAhead bytes ahead.
 template <bool INT4, int SF, int MB>
 void tile(const Args& a, int64_t blk) {
   constexpr int64_t kStep = INT4 ? 8 : 4;  // inputs per 64-byte vector
@@ -356,10 +356,11 @@ struct Quantized {
 Quantized quantize(const at::Tensor& xf, bool int4) {
   const int64_t M = xf.size(0), K = xf.size(1);
   Quantized q{at::empty({M, K}, xf.options().dtype(at::kByte)), at::empty({M, K / kABlock}, xf.options()),
-              at::zeros({M, K / kABlock}, xf.options())};
+              at::empty({int4 ? M : 0, K / kABlock}, xf.options())};  // int8 has no use for xs * sums
   for (int64_t m = 0; m < M; ++m)
     quantize_row(xf.data_ptr<float>() + m * K, K, int4, q.xq.data_ptr<uint8_t>() + m * K,
-                 q.xs.data_ptr<float>() + m * (K / kABlock), q.xsx.data_ptr<float>() + m * (K / kABlock));
+                 q.xs.data_ptr<float>() + m * (K / kABlock),
+                 int4 ? q.xsx.data_ptr<float>() + m * (K / kABlock) : nullptr);
   return q;
 }
 
@@ -393,7 +394,7 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
 
 // The quantized activations as the kernel reads them: (q [M, K], as int8 bit patterns for int4 and
 // for int8 on AVX2, + 128 as uint8 for int8 on VNNI; block scales [M, K / 32]; int4: xs * block
-// sums [M, K / 32], else zeros).
+// sums [M, K / 32], int8: an empty [0, K / 32]).
 std::vector<at::Tensor> a8_quantize(const at::Tensor& x, bool int4) {
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   TORCH_CHECK(xf.dim() == 2 && xf.size(1) % kABlock == 0, "woq a8: x [M, K], K a multiple of 32");

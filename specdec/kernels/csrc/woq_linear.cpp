@@ -299,9 +299,9 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& weight, cons
   blocks_loop<4, 6>(M, nv, [&](auto nb, auto mb, int64_t v0, int64_t m0) {
     const int64_t next = v0 + 4, lines = M >= kPrefetchRows ? std::min<int64_t>(4, nv - next) * block_lines : 0;
     const char* pf = lines > 0 ? reinterpret_cast<const char*>(wp + next * 16 * K) : nullptr;
-    bf16_pairs_tile<decltype(nb)::value, decltype(mb)::value>(
-        xp + m0 * (K / 2), K / 2, wp + v0 * 16 * K, K, yp + m0 * N + v0 * 16, N, pf,
-        lines > 0 ? lines * m0 / M : 0, lines > 0 ? lines * (m0 + decltype(mb)::value) / M : 0);
+    bf16_pairs_tile<decltype(nb)::value, decltype(mb)::value>(xp + m0 * (K / 2), K / 2, wp + v0 * 16 * K, K,
+                                                              yp + m0 * N + v0 * 16, N, pf, lines * m0 / M,
+                                                              lines * (m0 + decltype(mb)::value) / M);
   });
   specdec_cpu_common::add_bias(y, bias);
   return finish(y, x, N);
