@@ -69,9 +69,10 @@ def test_waiters_are_bounded_and_a_full_queue_is_a_stream_status(srv):
     async def main():
         async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
             holder = asyncio.create_task(client.post("/v1/completions", json=long))  # takes all 4 slots
-            await asyncio.sleep(0.5)
+            # each next request once the server shows the state it needs, while the holder still runs
+            await asyncio.to_thread(wait_for, srv, lambda m: m["specdec:admission_in_use"] == 4)
             waiter = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}))
-            await asyncio.sleep(0.3)
+            await asyncio.to_thread(wait_for, srv, lambda m: m["specdec:admission_waiting"] == 1)
             turned_away = await client.post("/v1/completions", json={**long, "stream": True, "n": 1})
             results = await asyncio.gather(holder, waiter)
             return turned_away, results
