@@ -20,8 +20,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (CPU)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (default: 2 GiB on CPU; on a GPU what --gpu-memory-utilization leaves)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU this engine may fill, weights and KV cache together")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--quantization", default=None, choices=list(QUANTIZATION_METHODS),

@@ -59,8 +59,6 @@ def apply_platform_defaults(device: torch.device) -> None:
     if device.type == "cuda" and is_rocm():
         # expandable segments avoid fragmentation from variable-length batches on ROCm too
         os.environ.setdefault("PYTORCH_HIP_ALLOC_CONF", "expandable_segments:True")
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
     if device.type == "cpu":
         keep_cpu_allocations_mapped()
 
@@ -138,6 +136,7 @@ def kv_cache_bytes_from_gpu_utilization(
         raise ValueError(
             f"no memory left for the KV cache: gpu_memory_utilization={gpu_memory_utilization} of "
             f"{total_bytes / gib:.1f} GiB minus {non_kv_bytes / gib:.1f} GiB for weights/activations "
-            f"(free now: {free_bytes / gib:.1f} GiB); raise gpu_memory_utilization or lower max_model_len"
+            f"(free now: {free_bytes / gib:.1f} GiB); raise gpu_memory_utilization, set kv_cache_memory or lower "
+            f"max_model_len"
         )
     return kv_bytes

@@ -12,7 +12,8 @@ from specdec.models.gguf_quant import has_quantized_linears
 from specdec.models.loader import load_config, load_model, resolve_model_path
 from specdec.spec_decode.verifier import ChainVerifier, TreeVerifier
 from specdec.worker import device as device_info
-from specdec.worker.device import apply_platform_defaults, resolve_device, resolve_dtype
+from specdec.worker.device import (apply_platform_defaults, kv_cache_bytes_from_gpu_utilization, resolve_device,
+                                   resolve_dtype)
 from specdec.worker.model_runner import ModelRunner
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
@@ -35,19 +36,26 @@ def blocks_per_sequence(cfg: EngineConfig, max_model_len: int, max_k: int) -> in
 
 
 def num_kv_blocks(cfg: EngineConfig, device, bytes_per_block: int, max_model_len: int, max_k: int) -> int:
+    """KV blocks for this engine: ``kv_cache_memory`` bytes when set (any device); on a GPU otherwise
+    what ``gpu_memory_utilization`` of the device leaves after what this process already holds
+    (weights, other engines), never more than is free (memory the caching allocator holds for no
+    tensor counts as free); on CPU otherwise 2 GiB or what max_num_seqs sequences need."""
     per_seq_blocks = blocks_per_sequence(cfg, max_model_len, max_k)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = int(free - total * (1.0 - cfg.gpu_memory_utilization))
-    elif cfg.kv_cache_memory is not None:
-        budget = cfg.kv_cache_memory
+    if cfg.kv_cache_memory is not None:
+        budget, setting = cfg.kv_cache_memory, "raise kv_cache_memory"
+    elif device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        budget = kv_cache_bytes_from_gpu_utilization(cfg.gpu_memory_utilization, torch.cuda.memory_allocated(device),
+                                                     device, free_bytes=free)
+        setting = f"raise gpu_memory_utilization (now {cfg.gpu_memory_utilization}), set kv_cache_memory"
     else:
         budget = min(DEFAULT_CPU_KV_BYTES, cfg.max_num_seqs * per_seq_blocks * bytes_per_block)
+        setting = "raise kv_cache_memory"
     num_blocks = budget // bytes_per_block
     if num_blocks < per_seq_blocks:
         raise ValueError(
             f"KV cache of {budget} bytes holds {num_blocks} blocks of {cfg.block_size} tokens; one sequence of "
-            f"max_model_len={max_model_len} needs {per_seq_blocks}: raise kv_cache_memory or lower max_model_len"
+            f"max_model_len={max_model_len} needs {per_seq_blocks}: {setting} or lower max_model_len"
         )
     return num_blocks
 

@@ -14,7 +14,8 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 from specdec import LLM, SamplingParams
 from specdec.worker.setup import _enable_graphs
 
-ENGINE = dict(dtype="float32", device=DEVICE, max_model_len=96, spec_cost_calibration=False)
+# two engines live in this process: each takes a fixed KV cache, not a share of the GPU
+ENGINE = dict(dtype="float32", device=DEVICE, max_model_len=96, spec_cost_calibration=False, kv_cache_memory=64 << 20)
 
 
 def test_tree_steps_through_graphs_stay_lossless(llama_path, noisy_draft_path, prompts):
