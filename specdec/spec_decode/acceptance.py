@@ -52,9 +52,11 @@ class AcceptanceEstimator:
         outcome = np.zeros((self.max_positions + 1, 2))
         num_tried = min(num_accepted + 1, num_drafted)
         outcome[0] = (num_accepted, num_tried)
-        positions = np.minimum(np.arange(num_tried), self.max_positions - 1) + 1  # deep ones share the last
-        np.add.at(outcome[:, 1], positions, 1.0)
-        np.add.at(outcome[:, 0], positions[:num_accepted], 1.0)
+        last = self.max_positions  # positions 1..: the deep ones share the last row
+        outcome[1:min(num_tried, last) + 1, 1] = 1.0
+        outcome[last, 1] += max(0, num_tried - last)
+        outcome[1:min(num_accepted, last) + 1, 0] = 1.0
+        outcome[last, 0] += max(0, num_accepted - last)
         counts = self._requests.get(request_id)
         self._requests[request_id] = outcome if counts is None else counts * self.decay + outcome
         self._pooled = self._pooled * self.pooled_decay + outcome

@@ -106,6 +106,16 @@ def choose_num_spec_tokens(
     w = np.ones(num_requests) if weights is None else np.asarray(weights, dtype=np.float64)
     if w.shape != (num_requests,) or not ((w > 0) & (w <= 1)).all():
         raise ValueError(f"weights must be {num_requests} values in (0, 1], got {weights!r}")
+    if num_requests == 1:  # the prefixes are K = 0..max_k (batch 1 runs this every step: few numpy calls)
+        gains = _marginal_gains(alphas, max_k)[0] * w[0]
+        draft_one = cost.costs("draft", np.array([1.0, 0.0]))
+        draft_delta = np.zeros(max_k)
+        draft_delta[:max_k if draft_per_token else 1] = draft_one[0] - draft_one[1]
+        value = w[0] + num_other_tokens + np.concatenate([[0.0], np.cumsum(gains)])
+        seconds = cost.costs("target", 1 + num_other_tokens + np.arange(max_k + 1)) \
+            + np.concatenate([[0.0], np.cumsum(draft_delta)])
+        throughput = value / np.maximum(seconds, 1e-30)
+        return [int(np.flatnonzero(throughput >= throughput.max() * (1.0 - 1e-9))[0])]
     gains = (_marginal_gains(alphas, max_k) * w[:, None]).ravel()  # [B * max_k]
     depth = np.tile(np.arange(1, max_k + 1), num_requests)  # [B * max_k]
     order = np.lexsort((depth, -gains))  # by gain desc, then depth asc

@@ -43,6 +43,9 @@ class StepCostModel:
         self._mass = {kind: np.zeros(len(counts)) for kind in KINDS}  # [num_knots] observation weight
         self._calibrated = {kind: np.zeros(len(counts)) for kind in KINDS}  # [num_knots] set() values
         self._observed = {kind: np.zeros(len(counts), dtype=bool) for kind in KINDS}  # [num_knots] by observe()
+        # kind -> (knots, monotone values, slope beyond the last knot): what ``costs`` reads, rebuilt
+        # after a change (the planner asks many times per step, a step changes one knot at most)
+        self._curves: dict[str, tuple[np.ndarray, np.ndarray, float] | None] = dict.fromkeys(KINDS)
 
     def has_observations(self, kind: str) -> bool:
         _validate_kind(kind)
@@ -75,6 +78,7 @@ class StepCostModel:
                 values[knot] = max(values[knot], 0.0)  # the two-knot LMS step can overshoot below 0
             mass[knot] += weight
             self._observed[kind][knot] = True
+        self._curves[kind] = None
 
     def set(self, kind: str, num_tokens: int, seconds: float) -> None:
         """Overwrite a knot with a trusted measurement (calibration)."""
@@ -86,6 +90,7 @@ class StepCostModel:
         self._mass[kind][matches[0]] = max(self._mass[kind][matches[0]], 1.0)
         self._calibrated[kind][matches[0]] = seconds
         self._observed[kind][matches[0]] = False
+        self._curves[kind] = None
 
     def _knot_values(self, kind: str) -> np.ndarray:
         """Knot seconds, with knots known only from calibration rescaled by the observed /
@@ -107,14 +112,18 @@ class StepCostModel:
         """Vectorised ``cost``: num_tokens [N] -> seconds [N]."""
         _validate_kind(kind)
         num_tokens = np.asarray(num_tokens, dtype=np.float64)
-        observed = self._mass[kind] > 0
-        if not observed.any():
-            return np.where(num_tokens > 0, 1.0 if kind == "target" else 0.0, 0.0)
-        knots, values = self.token_counts[observed], self._knot_values(kind)[observed]
-        # a pass over more tokens never costs less: knots fed by different step mixes (prefill
-        # chunks, long and short contexts) can disagree, and a dip would read as free tokens
-        values = np.maximum.accumulate(values)
-        slope = max(0.0, (values[-1] - values[-2]) / (knots[-1] - knots[-2])) if knots.shape[0] > 1 else 0.0
+        curve = self._curves[kind]
+        if curve is None:
+            observed = self._mass[kind] > 0
+            if not observed.any():
+                return np.where(num_tokens > 0, 1.0 if kind == "target" else 0.0, 0.0)
+            knots, values = self.token_counts[observed], self._knot_values(kind)[observed]
+            # a pass over more tokens never costs less: knots fed by different step mixes (prefill
+            # chunks, long and short contexts) can disagree, and a dip would read as free tokens
+            values = np.maximum.accumulate(values)
+            slope = max(0.0, (values[-1] - values[-2]) / (knots[-1] - knots[-2])) if knots.shape[0] > 1 else 0.0
+            curve = self._curves[kind] = (knots, values, slope)
+        knots, values, slope = curve
         inside = np.interp(num_tokens, knots, values)
         beyond = values[-1] + slope * (num_tokens - knots[-1])
         return np.where(num_tokens <= 0, 0.0, np.where(num_tokens > knots[-1], beyond, inside))

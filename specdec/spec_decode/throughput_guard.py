@@ -38,6 +38,7 @@ class ThroughputGuard:
         # tokens x seconds]
         self._arms: dict[int, dict[str, list[float]]] = {}
         self._steps: dict[int, int] = {}
+        self._clear_win: dict[int, bool] = {}  # bucket -> speculating was last seen far ahead
 
     @staticmethod
     def bucket(num_decoding: int) -> int:
@@ -71,11 +72,18 @@ class ThroughputGuard:
         noise = 0.0 if spec is None or plain is None else self.z * (
             self._std_error(num_decoding, "spec") ** 2 + self._std_error(num_decoding, "plain") ** 2) ** 0.5
         losing = spec is not None and plain is not None and spec < plain * (1.0 - self.margin) - noise
-        if not losing:
+        if losing:
+            self._clear_win[b] = False
+        else:
             self._backoff.pop(b, None)
             # far ahead (beyond the noise): the plain rate only needs checking now and then, and each
-            # plain probe there gives up most of a speculating step's tokens
-            winning = spec is not None and plain is not None and spec - noise > plain * self.clear_win
+            # plain probe there gives up most of a speculating step's tokens. A bucket whose
+            # speculating rate was just reset (new requests: see requests_changed) keeps the last
+            # verdict until its new rate says otherwise: at batch 1 every request starts so, and
+            # probing every probe_every steps until its rate is known gives up 1 / probe_every of the gain
+            if spec is not None and plain is not None:
+                self._clear_win[b] = spec - noise > plain * self.clear_win
+            winning = self._clear_win.get(b, False)
             interval = self.probe_every * (self.max_backoff if winning else 1)
             return step % interval != interval - 1
         # losing: a speculating probe now and then, ever rarer while it keeps confirming the loss

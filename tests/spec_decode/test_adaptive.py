@@ -347,6 +347,31 @@ def test_throughput_guard_forgets_speculating_evidence_in_proportion_to_new_requ
     assert guard.allow(1)
 
 
+def test_throughput_guard_keeps_a_clear_win_across_a_new_request_until_its_rate_says_otherwise():
+    """At batch 1 each request resets the speculating evidence; a guard that had seen speculation
+    far ahead keeps probing plain decoding rarely meanwhile, and a new request that loses is still
+    caught as soon as its own rate is known."""
+    from specdec.spec_decode.throughput_guard import ThroughputGuard
+
+    guard = ThroughputGuard(probe_every=8, min_steps=4, max_backoff=8)
+    for _ in range(8):
+        guard.observe(1, speculated=False, tokens=1, seconds=0.01)  # 100 tokens/s
+        guard.observe(1, speculated=True, tokens=5, seconds=0.02)  # 250 tokens/s: far ahead
+    assert sum(guard.allow(1) for _ in range(64)) == 64 - 1
+    guard.requests_changed(1, 1.0)
+    assert guard.rate(1, "spec") is None
+    guard._steps.clear()
+    assert sum(guard.allow(1) for _ in range(64)) == 64 - 1  # not one probe every 8 steps
+    fresh = ThroughputGuard(probe_every=8, min_steps=4, max_backoff=8)  # never saw a win: probes every 8
+    for _ in range(8):
+        fresh.observe(1, speculated=False, tokens=1, seconds=0.01)
+    assert sum(fresh.allow(1) for _ in range(64)) == 64 - 8
+    for _ in range(4):  # the new request's drafts lose: its own rate ends the inherited verdict
+        guard.observe(1, speculated=True, tokens=1, seconds=0.02)
+    guard._steps.clear()
+    assert sum(guard.allow(1) for _ in range(64)) < 8
+
+
 def test_throughput_guard_ignores_empty_steps_and_rejects_bad_settings():
     from specdec.spec_decode.throughput_guard import ThroughputGuard
 
