@@ -55,7 +55,7 @@ results_dir = os.environ["GPU_CHECK_RESULTS"]
 json_path = os.path.join(results_dir, "gpu_check.json")
 device = torch.device(os.environ.get("GPU_CHECK_DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
 preset = os.environ.get("GPU_CHECK_PRESET", "llama3-8b" if device.type == "cuda" else "tiny")
-R = {"preset": preset, "device": str(device), "torch": torch.__version__, "hip": torch.version.hip,
+R = {"kind": "gpu_check", "preset": preset, "device": str(device), "torch": torch.__version__, "hip": torch.version.hip,
      "cuda": torch.version.cuda, "errors": {}}
 if device.type == "cuda":
     R["gpu"] = torch.cuda.get_device_name(device)
@@ -339,38 +339,7 @@ if "ckpt" in state:
 
 
 # ---------------------------------------------------------------- summary table (last output)
-def fmt(value, spec=".1f"):
-    return "-" if value is None else format(value, spec)
-
-
-kt = R.get("kernel_tests", {})
-eng = R.get("engine", {})
-vc = R.get("verify_cost_vs_decode", {})
-rows = [
-    ("kernel tests (device)", f"{kt.get('passed', 0)} passed, {kt.get('failed', 0)} failed, "
-                              f"{kt.get('skipped', 0)} skipped" if kt else "not run"),
-    ("HBM bandwidth (copy)", f"{fmt(R.get('hbm_bandwidth_gbs'), '.0f')} GB/s"),
-    (f"model ({preset})", f"{fmt(R.get('model', {}).get('params_b'), '.2f')} B params, "
-                          f"{fmt(R.get('model', {}).get('weight_gb'), '.1f')} GB bf16"),
-    ("decode roofline, batch 1", f"{fmt(R.get('roofline_decode_tok_s'))} tok/s"),
-    ("HF forward 1 row", f"{fmt(R.get('hf_forward_ms', {}).get(1), '.2f')} ms "
-                         f"({R.get('hf_forward_mode', {}).get(1, '-')}), "
-                         f"{fmt(R.get('hf_decode_roofline_fraction'), '.0%')} of roofline"),
-    ("verify cost K+1=2..9 / 1 row", " ".join(fmt(vc.get(r), ".2f") for r in range(2, 10))),
-    ("HF generate, batch 1", f"{fmt(R.get('hf_generate_tok_s'))} tok/s"),
-    ("specdec decode, batch 1", f"{fmt(eng.get('decode_tok_s'))} tok/s, "
-                                f"{fmt(eng.get('decode_roofline_fraction'), '.0%')} of roofline"),
-    ("specdec replay a=0.8 K=5", f"{fmt(eng.get('replay_tok_s'))} tok/s, speedup {fmt(eng.get('speedup'), '.2f')}x, "
-                                 f"efficiency {fmt(eng.get('system_efficiency'), '.0%')} of bound "
-                                 f"{fmt(eng.get('bound_tokens_per_step'), '.2f')}, mean acceptance length "
-                                 f"{fmt(eng.get('metrics', {}).get('mean_acceptance_length'), '.2f')}"),
-    ("specdec step ms spec / plain", f"{fmt(eng.get('spec_ms_per_step'), '.2f')} / {fmt(eng.get('plain_ms_per_step'), '.2f')}, "
-                                     f"{eng.get('spec_drafts', '-')} of {eng.get('spec_steps', '-')} spec steps drafted, "
-                                     f"warm plain runs agree: {eng.get('first_plain_equals_second', '-')}"),
-]
-if eng.get("skipped"):
-    rows = rows[:-3] + [("specdec engine", eng["skipped"])]
-rows += gpu_check_spec.summary_rows(R)
+rows = gpu_check_spec.report_rows(R)
 save()
 print(f"\nwrote {json_path}; errors: {sorted(R['errors']) or 'none'}")
 print("\n" + "\n".join(f"{name:30s} {value}" for name, value in rows))

@@ -249,6 +249,43 @@ def run_phases(R, state, device, preset, presets, phase, seconds_per_call, deadl
         free()
 
 
+def report_rows(R) -> list[tuple[str, str]]:
+    """The summary table of a gpu_check.json (in-process or loaded: row keys may be ints or strings)."""
+    def f(value, spec=".1f"):
+        return "-" if value is None else format(value, spec)
+
+    def at(table, row):
+        return table.get(row, table.get(str(row)))
+
+    kt, eng, vc = R.get("kernel_tests", {}), R.get("engine", {}), R.get("verify_cost_vs_decode", {})
+    rows = [
+        ("kernel tests (device)", f"{kt.get('passed', 0)} passed, {kt.get('failed', 0)} failed, "
+                                  f"{kt.get('skipped', 0)} skipped" if kt else "not run"),
+        ("HBM bandwidth (copy)", f"{f(R.get('hbm_bandwidth_gbs'), '.0f')} GB/s"),
+        (f"model ({R.get('preset')})", f"{f(R.get('model', {}).get('params_b'), '.2f')} B params, "
+                                       f"{f(R.get('model', {}).get('weight_gb'), '.1f')} GB bf16"),
+        ("decode roofline, batch 1", f"{f(R.get('roofline_decode_tok_s'))} tok/s"),
+        ("HF forward 1 row", f"{f(at(R.get('hf_forward_ms', {}), 1), '.2f')} ms "
+                             f"({at(R.get('hf_forward_mode', {}), 1) or '-'}), "
+                             f"{f(R.get('hf_decode_roofline_fraction'), '.0%')} of roofline"),
+        ("verify cost K+1=2..9 / 1 row", " ".join(f(at(vc, r), ".2f") for r in range(2, 10))),
+        ("HF generate, batch 1", f"{f(R.get('hf_generate_tok_s'))} tok/s"),
+        ("specdec decode, batch 1", f"{f(eng.get('decode_tok_s'))} tok/s, "
+                                    f"{f(eng.get('decode_roofline_fraction'), '.0%')} of roofline"),
+        ("specdec replay a=0.8 K=5", f"{f(eng.get('replay_tok_s'))} tok/s, speedup {f(eng.get('speedup'), '.2f')}x, "
+                                     f"efficiency {f(eng.get('system_efficiency'), '.0%')} of bound "
+                                     f"{f(eng.get('bound_tokens_per_step'), '.2f')}, mean acceptance length "
+                                     f"{f(eng.get('metrics', {}).get('mean_acceptance_length'), '.2f')}"),
+        ("specdec step ms spec / plain", f"{f(eng.get('spec_ms_per_step'), '.2f')} / "
+                                         f"{f(eng.get('plain_ms_per_step'), '.2f')}, {eng.get('spec_drafts', '-')} of "
+                                         f"{eng.get('spec_steps', '-')} spec steps drafted, warm plain runs agree: "
+                                         f"{eng.get('first_plain_equals_second', '-')}"),
+    ]
+    if eng.get("skipped"):
+        rows = rows[:-3] + [("specdec engine", eng["skipped"])]
+    return rows + summary_rows(R)
+
+
 def summary_rows(R) -> list[tuple[str, str]]:
     def f(value, spec=".2f"):
         return "-" if value is None else format(value, spec)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 KIND_ORDER = ("peers", "latency", "profile", "throughput", "sweep", "autok", "compare", "workloads", "structured",
-              "quant_kernels", "quant_e2e", "serve")
+              "quant_kernels", "quant_e2e", "serve", "gpu_check")
 TITLES = {
     "latency": "Latency: decode tokens/s vs the roofline, speculation vs none",
     "profile": "Profile of one decode step: where the time goes",
@@ -33,6 +33,7 @@ TITLES = {
     "structured": "Structured output: speculation with and without a grammar (JSON extraction, tool calls)",
     "quant_kernels": "int8 / int4 weight-only matmul kernels against the copy bandwidth",
     "quant_e2e": "float32 vs int8 vs int4 weights end to end (single thread)",
+    "gpu_check": "GPU check (scripts/gpu_check.sh, random-weight Llama-3-8B shape, bf16)",
     "other": "Other recorded results",
 }
 
@@ -122,6 +123,17 @@ def provenance(data: dict) -> str:
     return "  \n".join(lines)
 
 
+def render_gpu_check(data: dict) -> str:
+    from specdec.bench.report import format_table
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check_spec
+
+    versions = f"{data.get('gpu')}, torch {data.get('torch')}, Triton {data.get('triton')}"
+    note = f"\n\n{data['note']}" if data.get("note") else ""
+    return versions + note + "\n\n" + format_table(["what", "measured"], [list(r) for r in gpu_check_spec.report_rows(data)])
+
+
 def render_serve(data: dict) -> str:
     from specdec.bench.report import format_table
 
@@ -155,6 +167,8 @@ def render(data: dict) -> str:
     kind = data["kind"]
     if kind == "serve":
         return render_serve(data)
+    if kind == "gpu_check":
+        return render_gpu_check(data)
     name = f"specdec.bench.{kind}"
     try:
         module = importlib.import_module(name)
@@ -204,6 +218,14 @@ def goals_table(results: list[tuple[Path, dict]]) -> str:
         add("autok_qwen_zen4", '"auto" K on the Qwen pair: >= 0.97 of the best fixed K (medians over rounds; '
             "per-round paired ratios " + " / ".join(f"{r['auto_over_best_fixed']:.3f}" for r in autok["rounds"]) + ")",
             autok["tokens_per_s"]["auto"] / fixed, 0.97)
+    for name in sorted(n for n in by_name if n.startswith("autok_qwen_zen5")):
+        data = by_name[name]
+        cfg = data["config"]
+        add(name, f'"auto" K within 3% of the best fixed K (Zen 5, Q4_K_M w4a8 + 49k-vocab w4a8 draft, '
+            f'{cfg["num_prompts"]} {cfg["prompts"]} prompts x {cfg["output_len"]} tokens, K = '
+            f'{",".join(p for p in data["policies"] if p != "auto")}; per-round paired ratios '
+            + " / ".join(f"{r['auto_over_best_fixed']:.3f}" for r in data["rounds"]) + ")",
+            data["auto_over_best_fixed"], 0.97)
     cmp = by_name.get("compare_qwen_pair")
     if cmp:
         tps = {r["system"]: r["tokens_per_s"] for r in cmp["rows"]}
