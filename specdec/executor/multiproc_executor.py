@@ -99,6 +99,7 @@ class MultiprocExecutor(Executor):
             if rank != 0:  # this process only serves the driver
                 _serve(Worker(cfg, *worker_args, tp=tp), tp, tp.broadcast_object)
                 torch.distributed.destroy_process_group()
+                tp.release()
                 sys.exit(0)
         else:
             if device_type == "cuda" and world > torch.cuda.device_count():
@@ -180,6 +181,7 @@ def _stop(deliver, tp: TensorParallelGroup, procs: list, default_group: bool) ->
             pass
     if default_group:  # torchrun: tear the launcher's group down before the interpreter does
         torch.distributed.destroy_process_group()
+        tp.release()
     deadline = time.monotonic() + min(5.0, timeout_seconds())
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
