@@ -226,6 +226,10 @@ def goals_table(results: list[tuple[Path, dict]]) -> str:
             f'{",".join(p for p in data["policies"] if p != "auto")}; per-round paired ratios '
             + " / ".join(f"{r['auto_over_best_fixed']:.3f}" for r in data["rounds"]) + ")",
             data["auto_over_best_fixed"], 0.97)
+        if data.get("auto_over_held_out_k") is not None:
+            add(name, '"auto" K within 3% of the fixed K chosen on held-out prompts (same run: the K fastest on '
+                'one random half of the prompts, scored on the other; median over splits and rounds)',
+                data["auto_over_held_out_k"], 0.97)
     cmp = by_name.get("compare_qwen_pair")
     if cmp:
         tps = {r["system"]: r["tokens_per_s"] for r in cmp["rows"]}

@@ -3,11 +3,14 @@
 One engine with ``"num_speculative_tokens": "auto"`` serves every policy: for each prompt the
 policies run in turn (the order rotating from prompt to prompt), a fixed K through
 ``SpecController.fix_k`` (the steps of a fixed K teach "auto" nothing). Decode tokens/s per policy
-and round, and the paired figure: "auto" over the best fixed K of the same round. Separate engine
+and round, and the paired figures: "auto" over the best fixed K of the same round, and over the
+fixed K chosen on held-out prompts (``held_out_ratio``). Separate engine
 processes on a shared machine can differ between runs by more than neighbouring K do; alternating
 policies prompt by prompt on one engine leaves the comparison to the K choice.
 """
 from __future__ import annotations
+
+import random
 
 from specdec.bench import driver
 from specdec.bench.cli import add_common_args, engine_args
@@ -61,6 +64,7 @@ def measure(args) -> dict:
     rounds = []
     for _ in range(args.num_iters):
         tokens, seconds = dict.fromkeys(policies, 0), dict.fromkeys(policies, 0.0)
+        per_prompt = {p: [(0, 0.0)] * len(prompts) for p in policies}  # (tokens, seconds) of each prompt
         counts = {p: AcceptanceCounts() for p in policies}
         for i, prompt in enumerate(prompts):
             shift = (i + len(rounds)) % len(policies)
@@ -72,15 +76,19 @@ def measure(args) -> dict:
                     ctl.fix_k(None)
                 tokens[policy] += out.num_decode_tokens
                 seconds[policy] += out.decode_s
+                per_prompt[policy][i] = (out.num_decode_tokens, out.decode_s)
                 counts[policy].merge(out.acceptance)
         rates = {p: tokens[p] / seconds[p] for p in policies}
         best_k = max(policies[1:], key=rates.get)
         rounds.append({"tokens_per_s": {str(p): r for p, r in rates.items()},
                        "mean_acceptance_length": {str(p): c.mean_acceptance_length if c.num_drafts else 1.0
                                                   for p, c in counts.items()},
-                       "best_fixed_k": best_k, "auto_over_best_fixed": rates["auto"] / rates[best_k]})
+                       "best_fixed_k": best_k, "auto_over_best_fixed": rates["auto"] / rates[best_k],
+                       "auto_over_held_out_k": held_out_ratio(per_prompt, policies[1:])})
     result = result_header(args, "autok", bandwidth, llm.engine.device)
+    held_out = [r["auto_over_held_out_k"] for r in rounds if r["auto_over_held_out_k"] is not None]
     result.update(
+        auto_over_held_out_k=median(held_out) if held_out else None,
         config={"model": llm.engine.model_path, "speculative_config": args.speculative_config,
                 "max_num_speculative_tokens": ctl.max_k, "num_prompts": args.num_prompts, "prompts": args.prompts,
                 "output_len": args.output_len, "temperature": args.temperature, "rounds": args.num_iters},
@@ -89,6 +97,34 @@ def measure(args) -> dict:
         auto_over_best_fixed=median(r["auto_over_best_fixed"] for r in rounds),
     )
     return result
+
+
+def held_out_ratio(per_prompt: dict, fixed: list, num_splits: int = 200, seed: int = 0) -> float | None:
+    """"auto" against the fixed K a user would have picked without seeing these prompts: the
+    prompts are split in random halves; the K fastest on one half is scored on the other, and so
+    is "auto"; the median ratio over the splits (both directions). "Best fixed K" of the same
+    prompts picks, in hindsight, the K whose draft windows happened to fall best on them: over a
+    flat optimum that is the best of several draws, and biased up. None with under 2 prompts."""
+    n = len(per_prompt["auto"])
+    if n < 2:
+        return None
+
+    def rate(policy, idx):
+        done = sum(per_prompt[policy][i][0] for i in idx)
+        spent = sum(per_prompt[policy][i][1] for i in idx)
+        return done / spent if spent > 0 else 0.0
+
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(num_splits):
+        order = list(range(n))
+        rng.shuffle(order)
+        halves = order[: n // 2], order[n // 2:]
+        for chosen_on, scored_on in (halves, halves[::-1]):
+            k = max(fixed, key=lambda p: rate(p, chosen_on))
+            if rate(k, scored_on) > 0:
+                ratios.append(rate("auto", scored_on) / rate(k, scored_on))
+    return median(ratios) if ratios else None
 
 
 def render(result: dict) -> str:
@@ -103,4 +139,8 @@ def render(result: dict) -> str:
             f"{result['config']['output_len']} tokens, policies alternating per prompt on one engine")
     table = format_table(["policy", "decode tok/s per round", "median", "MAL", "/ best fixed"], rows)
     paired = " / ".join(f"{r['auto_over_best_fixed']:.3f} (K={r['best_fixed_k']})" for r in rounds)
-    return f"{head}\n\n{table}\n\nauto / best fixed K of the same round: {paired}; median {result['auto_over_best_fixed']:.3f}"
+    held = result.get("auto_over_held_out_k")
+    held_text = "" if held is None else (f"\nauto / the fixed K that was fastest on the other half of the prompts (random "
+                                         f"halves): median {held:.3f}")
+    return (f"{head}\n\n{table}\n\nauto / best fixed K of the same round: {paired}; median "
+            f"{result['auto_over_best_fixed']:.3f}{held_text}")

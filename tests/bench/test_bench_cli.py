@@ -103,7 +103,8 @@ def test_autok_pairs_auto_with_each_fixed_k_on_one_engine(llama_path, noisy_draf
         assert rnd["best_fixed_k"] in (1, 3) and rates[str(rnd["best_fixed_k"])] == max(rates["1"], rates["3"])
         assert rnd["auto_over_best_fixed"] == pytest.approx(rates["auto"] / max(rates["1"], rates["3"]))
         assert 1.0 <= mal["1"] <= 2.0 and 1.0 <= mal["3"] <= 4.0  # a fixed K accepts at most K per step
-    assert "auto / best fixed K" in table and "K=3" in table
+        assert rnd["auto_over_held_out_k"] > 0.0
+    assert "auto / best fixed K" in table and "K=3" in table and "other half of the prompts" in table
     assert main(["bench", "autok", "--model", llama_path, *SMALL, "--k-values", "4", "--speculative-config", spec]) != 0
     assert "--k-values must be integers in [0, 3]" in capsys.readouterr().err
 
@@ -262,3 +263,13 @@ def test_structured_bench_pairs_each_mode_with_its_plain_run(llama_path, tmp_pat
         assert row["identical_to_off"] and row["tokens"] > 0
         assert (row["grammar_share"] > 0) == name.endswith("json")
     assert rows["off/free"]["speedup_vs_off"] == 1.0
+
+
+def test_autok_held_out_k_is_chosen_on_other_prompts_than_it_is_scored_on():
+    from specdec.bench.autok import held_out_ratio
+
+    # K=1 is fastest on prompt 0, K=3 on prompt 1, "auto" runs 8 tokens/s on both: the K picked on
+    # one prompt runs 5 tokens/s on the other (in hindsight, over both: K=1, 7.5 tokens/s)
+    per_prompt = {"auto": [(8, 1.0), (8, 1.0)], "1": [(10, 1.0), (5, 1.0)], "3": [(5, 1.0), (7, 0.7)]}
+    assert held_out_ratio(per_prompt, ["1", "3"]) == pytest.approx(8 / 5)
+    assert held_out_ratio({"auto": [(8, 1.0)], "1": [(8, 1.0)]}, ["1"]) is None
