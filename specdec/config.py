@@ -148,7 +148,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes of KV cache (default on CPU: 2 GiB, or what max_num_seqs * max_model_len needs if less; on a GPU: what gpu_memory_utilization leaves)
+    # bytes of KV cache (default on CPU: 2 GiB, or what max_num_seqs * max_model_len needs if less;
+    # on a GPU: what gpu_memory_utilization leaves)
+    kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True

@@ -61,8 +61,8 @@ class TensorParallelGroup:
     def release(self) -> None:
         """Drop this rank's process groups now (after ``destroy_process_group`` for the launcher's
         group), so their C++ objects and threads are freed here rather than by whoever holds the
-        last reference at interpreter exit: under torchrun, rank 0 left alive that way aborted
-        with "terminate called without an active exception" in 6 of 24 runs."""
+        last reference at interpreter exit, where a torchrun rank could abort with "terminate
+        called without an active exception"."""
         self.pg = self.cpu_pg = None
         gc.collect()
 
