@@ -126,7 +126,8 @@ def provenance(data: dict) -> str:
 def render_gpu_check(data: dict) -> str:
     from specdec.bench.report import format_table
 
-    sys.path.insert(0, str(ROOT / "scripts"))
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_check_spec
 
     versions = f"{data.get('gpu')}, torch {data.get('torch')}, Triton {data.get('triton')}"

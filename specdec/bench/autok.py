@@ -63,7 +63,6 @@ def measure(args) -> dict:
     prompts = driver.make_prompts(llm, args.prompts, args.num_prompts, args.input_len, seed=args.seed)
     rounds = []
     for _ in range(args.num_iters):
-        tokens, seconds = dict.fromkeys(policies, 0), dict.fromkeys(policies, 0.0)
         per_prompt = {p: [(0, 0.0)] * len(prompts) for p in policies}  # (tokens, seconds) of each prompt
         counts = {p: AcceptanceCounts() for p in policies}
         for i, prompt in enumerate(prompts):
@@ -74,11 +73,9 @@ def measure(args) -> dict:
                     out = driver.timed_generate(llm, [prompt], params)
                 finally:
                     ctl.fix_k(None)
-                tokens[policy] += out.num_decode_tokens
-                seconds[policy] += out.decode_s
                 per_prompt[policy][i] = (out.num_decode_tokens, out.decode_s)
                 counts[policy].merge(out.acceptance)
-        rates = {p: tokens[p] / seconds[p] for p in policies}
+        rates = {p: _rate(per_prompt[p], range(len(prompts))) for p in policies}
         best_k = max(policies[1:], key=rates.get)
         rounds.append({"tokens_per_s": {str(p): r for p, r in rates.items()},
                        "mean_acceptance_length": {str(p): c.mean_acceptance_length if c.num_drafts else 1.0
@@ -99,6 +96,12 @@ def measure(args) -> dict:
     return result
 
 
+def _rate(runs: list[tuple[int, float]], idx) -> float:
+    """Decode tokens/s over the prompts ``idx`` of one policy's (tokens, seconds) per prompt."""
+    spent = sum(runs[i][1] for i in idx)
+    return sum(runs[i][0] for i in idx) / spent if spent > 0 else 0.0
+
+
 def held_out_ratio(per_prompt: dict, fixed: list, num_splits: int = 200, seed: int = 0) -> float | None:
     """"auto" against the fixed K a user would have picked without seeing these prompts: the
     prompts are split in random halves; the K fastest on one half is scored on the other, and so
@@ -110,9 +113,7 @@ def held_out_ratio(per_prompt: dict, fixed: list, num_splits: int = 200, seed: i
         return None
 
     def rate(policy, idx):
-        done = sum(per_prompt[policy][i][0] for i in idx)
-        spent = sum(per_prompt[policy][i][1] for i in idx)
-        return done / spent if spent > 0 else 0.0
+        return _rate(per_prompt[policy], idx)
 
     rng = random.Random(seed)
     ratios = []

@@ -58,11 +58,12 @@ class TensorParallelGroup:
     def is_driver(self) -> bool:
         return self.rank == 0
 
-    def release(self) -> None:
-        """Drop this rank's process groups now (after ``destroy_process_group`` for the launcher's
-        group), so their C++ objects and threads are freed here rather than by whoever holds the
-        last reference at interpreter exit, where a torchrun rank could abort with "terminate
-        called without an active exception"."""
+    def destroy_launcher_group(self) -> None:
+        """Under torchrun: destroy the launcher's default group and drop this rank's references to
+        it now, so its C++ objects and threads are freed here rather than by whoever holds the last
+        reference at interpreter exit, where a rank could abort with "terminate called without an
+        active exception"."""
+        dist.destroy_process_group()
         self.pg = self.cpu_pg = None
         gc.collect()
 

@@ -98,8 +98,7 @@ class MultiprocExecutor(Executor):
             tp = init_tensor_parallel(rank, world, device_type, None, int(os.environ.get("LOCAL_RANK", rank)))
             if rank != 0:  # this process only serves the driver
                 _serve(Worker(cfg, *worker_args, tp=tp), tp, tp.broadcast_object)
-                torch.distributed.destroy_process_group()
-                tp.release()
+                tp.destroy_launcher_group()
                 sys.exit(0)
         else:
             if device_type == "cuda" and world > torch.cuda.device_count():
@@ -180,8 +179,7 @@ def _stop(deliver, tp: TensorParallelGroup, procs: list, default_group: bool) ->
         except Exception:  # noqa: BLE001 - a broken group: the ranks are terminated below
             pass
     if default_group:  # torchrun: tear the launcher's group down before the interpreter does
-        torch.distributed.destroy_process_group()
-        tp.release()
+        tp.destroy_launcher_group()
     deadline = time.monotonic() + min(5.0, timeout_seconds())
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))

@@ -106,35 +106,32 @@ def choose_num_spec_tokens(
     w = np.ones(num_requests) if weights is None else np.asarray(weights, dtype=np.float64)
     if w.shape != (num_requests,) or not ((w > 0) & (w <= 1)).all():
         raise ValueError(f"weights must be {num_requests} values in (0, 1], got {weights!r}")
-    if num_requests == 1:  # the prefixes are K = 0..max_k (batch 1 runs this every step: few numpy calls)
+    if num_requests == 1:  # tokens are taken in depth order: only the draft pass's cost per depth is needed
         gains = _marginal_gains(alphas, max_k)[0] * w[0]
         draft_one = cost.costs("draft", np.array([1.0, 0.0]))
         draft_delta = np.zeros(max_k)
         draft_delta[:max_k if draft_per_token else 1] = draft_one[0] - draft_one[1]
-        value = w[0] + num_other_tokens + np.concatenate([[0.0], np.cumsum(gains)])
-        seconds = cost.costs("target", 1 + num_other_tokens + np.arange(max_k + 1)) \
-            + np.concatenate([[0.0], np.cumsum(draft_delta)])
-        throughput = value / np.maximum(seconds, 1e-30)
-        return [int(np.flatnonzero(throughput >= throughput.max() * (1.0 - 1e-9))[0])]
-    gains = (_marginal_gains(alphas, max_k) * w[:, None]).ravel()  # [B * max_k]
-    depth = np.tile(np.arange(1, max_k + 1), num_requests)  # [B * max_k]
-    order = np.lexsort((depth, -gains))  # by gain desc, then depth asc
-    gains, depth, owner = gains[order], depth[order], order // max_k
-    # rows[t]: requests drafting at depth[t] once token t is added (its rank within its depth)
-    by_depth = np.argsort(depth, kind="stable")
-    group_start = np.searchsorted(depth[by_depth], depth[by_depth])
-    rows = np.empty_like(depth)
-    rows[by_depth] = np.arange(1, depth.shape[0] + 1) - group_start
-    draft_delta = cost.costs("draft", rows) - cost.costs("draft", rows - 1)
-    if not draft_per_token:
-        draft_delta = np.where(depth == 1, draft_delta, 0.0)
+        owner = None
+    else:
+        gains = (_marginal_gains(alphas, max_k) * w[:, None]).ravel()  # [B * max_k]
+        depth = np.tile(np.arange(1, max_k + 1), num_requests)  # [B * max_k]
+        order = np.lexsort((depth, -gains))  # by gain desc, then depth asc
+        gains, depth, owner = gains[order], depth[order], order // max_k
+        # rows[t]: requests drafting at depth[t] once token t is added (its rank within its depth)
+        by_depth = np.argsort(depth, kind="stable")
+        group_start = np.searchsorted(depth[by_depth], depth[by_depth])
+        rows = np.empty_like(depth)
+        rows[by_depth] = np.arange(1, depth.shape[0] + 1) - group_start
+        draft_delta = cost.costs("draft", rows) - cost.costs("draft", rows - 1)
+        if not draft_per_token:
+            draft_delta = np.where(depth == 1, draft_delta, 0.0)
     base_tokens = num_requests + num_other_tokens
     num_added = np.arange(gains.shape[0] + 1)  # [B * max_k + 1] prefixes
     value = float(w.sum()) + num_other_tokens + np.concatenate([[0.0], np.cumsum(gains)])
     seconds = cost.costs("target", base_tokens + num_added) + np.concatenate([[0.0], np.cumsum(draft_delta)])
     throughput = value / np.maximum(seconds, 1e-30)
     best = int(np.flatnonzero(throughput >= throughput.max() * (1.0 - 1e-9))[0])
-    return np.bincount(owner[:best], minlength=num_requests).tolist()
+    return [best] if owner is None else np.bincount(owner[:best], minlength=num_requests).tolist()
 
 
 def completion_weights(remaining_tokens: Sequence[int]) -> list[float]:

@@ -44,9 +44,9 @@ def num_kv_blocks(cfg: EngineConfig, device, bytes_per_block: int, max_model_len
     if cfg.kv_cache_memory is not None:
         budget, setting = cfg.kv_cache_memory, "raise kv_cache_memory"
     elif device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        budget = kv_cache_bytes_from_gpu_utilization(cfg.gpu_memory_utilization, torch.cuda.memory_allocated(device),
-                                                     device, free_bytes=free)
+        held = torch.cuda.memory_allocated(device)
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - held
+        budget = kv_cache_bytes_from_gpu_utilization(cfg.gpu_memory_utilization, held, device, free_bytes=free)
         setting = f"raise gpu_memory_utilization (now {cfg.gpu_memory_utilization}), set kv_cache_memory"
     else:
         budget = min(DEFAULT_CPU_KV_BYTES, cfg.max_num_seqs * per_seq_blocks * bytes_per_block)
