@@ -11,6 +11,13 @@ from specdec.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
 from specdec.engine.request import Request
 
 
+def _root_hash(request: Request) -> int | None:
+    """The chain's start: the base model's blocks and each adapter's never match each other (the
+    same tokens have other keys and values under another adapter)."""
+    lora = getattr(request, "lora_request", None)
+    return None if lora is None else hash(("lora", lora.lora_int_id))
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
@@ -33,7 +40,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         bs = self.block_size
         max_blocks = (len(tokens) - 1) // bs  # the last token must be computed to get logits
-        blocks, parent = [], None
+        blocks, parent = [], _root_hash(request)
         self.pool.num_cache_queries += 1
         for i in range(max_blocks):
             h = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs])
@@ -79,7 +86,7 @@ class KVCacheManager:
             return
         tokens = request.all_token_ids
         bs = self.block_size
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else _root_hash(request)
         for i in range(len(hashes), num_full):
             parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs])
             hashes.append(parent)

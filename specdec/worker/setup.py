@@ -113,7 +113,9 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
     draft_runner = ModelRunner(draft_model, num_blocks, cfg.block_size, device, draft_dtype) if draft_model else None
     # EAGLE heads read the target's hidden states, which captured graphs do not return: eager there
     # collectives are not captured in graphs yet: tensor-parallel ranks run eagerly
-    if device.type == "cuda" and attn_backend.name == "triton" and not cfg.enforce_eager and not eagle and tp is None:
+    # LoRA rows take their adapter from each step's metadata, which a replayed graph does not read: eager
+    if device.type == "cuda" and attn_backend.name == "triton" and not cfg.enforce_eager and not eagle and tp is None \
+            and not cfg.enable_lora:
         _enable_graphs(cfg, runner, draft_runner, max_model_len, spec)
     proposer = build_proposer(spec, draft_runner, vocab_size, draft_vocab) if spec else None
     return WorkerParts(device, dtype, runner, draft_runner, proposer, ChainVerifier(_rejection_sampler(device)),
