@@ -18,6 +18,13 @@ class LoRARegistry:
         self.max_lora_rank = max_lora_rank
         self.known: dict[int, LoRARequest] = {}  # adapter id -> the request that introduced it
         self._lock = threading.Lock()  # a server validates on its tokenizer threads
+        self._max_id = 0  # the largest id handed out or seen
+
+    def new_id(self) -> int:
+        """An adapter id no request has used (a server names adapters; ids are never reused)."""
+        with self._lock:
+            self._max_id += 1
+            return self._max_id
 
     def validate(self, request: LoRARequest) -> None:
         if not isinstance(request, LoRARequest):
@@ -32,6 +39,7 @@ class LoRARegistry:
         load_adapter(request, self.model_config, self.max_lora_rank)  # raises naming the problem
         with self._lock:
             self.known.setdefault(request.lora_int_id, request)
+            self._max_id = max(self._max_id, request.lora_int_id)
 
     def forget(self, adapter_id: int) -> None:
         with self._lock:
