@@ -35,6 +35,9 @@ _OWNER = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp",
 _SPLIT_KIND = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "o_proj": "q", "gate_proj": "mlp", "up_proj": "mlp",
                "down_proj": "mlp"}
 NO_ADAPTER = -1
+# rows x (slots x parts x rank) up to which a step takes the masked all-slots path (two matmuls)
+# instead of one matmul pair per adapter: its extra multiply-adds by zero stay below this bound
+DENSE_MAX_ELEMENTS = 1 << 14
 
 
 @dataclass
@@ -43,6 +46,15 @@ class LoRAMapping:
     row_slots: torch.Tensor  # [T] int64, slot of each row (-1: base)
     # (slot, its rows [n] int64, or None when it owns every row), one entry per slot in use
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    _masks: dict = field(default_factory=dict, repr=False)  # (slots, width, dtype) -> mask, shared by layers
+
+    def slot_mask(self, num_slots: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """[T, num_slots * width]: 1 where the column belongs to the row's slot (none for base rows)."""
+        key = (num_slots, width, dtype)
+        if key not in self._masks:
+            column_slot = torch.arange(num_slots, device=self.row_slots.device).repeat_interleave(width)
+            self._masks[key] = (self.row_slots[:, None] == column_slot[None, :]).to(dtype)
+        return self._masks[key]
 
     @classmethod
     def build(cls, request_slots: list[int], query_start_loc: list[int], device) -> LoRAMapping | None:
@@ -69,6 +81,13 @@ class LoRAContext:
 
 
 class LoRALinear(nn.Module):
+    """A linear plus per-row adapters. Storage, per slot l, part p and rank row j (``R`` =
+    max rank, ranks below it zero-padded), at row ``(l * P + p) * R + j``:
+    ``lora_a`` [L * P * R, in] holds A_p's row j, ``lora_bt`` [L * P * R, out] holds B_p's column j
+    in part p's output columns and zeros elsewhere. So ``(x A^T) Bt`` over one slot's rows is
+    that slot's delta for every part at once, and over all slots' rows, with each row's
+    ``x A^T`` masked to its own slot's columns, the whole batch's delta in two matmuls."""
+
     def __init__(self, base: nn.Module, parts: tuple[str, ...], out_ranges: list[tuple[int, int]],
                  in_range: tuple[int, int], max_loras: int, max_rank: int, context: LoRAContext,
                  dtype: torch.dtype, device, tp=None):
@@ -83,17 +102,20 @@ class LoRALinear(nn.Module):
         self.out_offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]  # local output range of each part
         self.context = context
         self.tp = tp
-        in_local = in_range[1] - in_range[0]
-        self.register_buffer("lora_a", torch.zeros(max_loras, len(parts), max_rank, in_local, dtype=dtype,
-                                                   device=device), persistent=False)  # [L, P, R, in]
-        self.register_buffer("lora_b", torch.zeros(max_loras, self.out_offsets[-1], max_rank, dtype=dtype,
-                                                   device=device), persistent=False)  # [L, out, R]
-        self.slot_ranks = [0] * max_loras  # rank columns in use per slot (0: empty)
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.slot_width = len(parts) * max_rank  # rows of lora_a / lora_bt per slot
+        rows = max_loras * self.slot_width
+        self.register_buffer("lora_a", torch.zeros(rows, in_range[1] - in_range[0], dtype=dtype, device=device),
+                             persistent=False)  # [L * P * R, in]
+        self.register_buffer("lora_bt", torch.zeros(rows, self.out_offsets[-1], dtype=dtype, device=device),
+                             persistent=False)  # [L * P * R, out]
+        self.slot_ranks = [0] * max_loras  # the largest rank loaded per slot (0: empty)
 
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Fill ``slot`` from {part: (A [r, in], scaled B [out, r])}; parts absent stay zero."""
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        first = slot * self.slot_width
+        self.lora_a[first:first + self.slot_width].zero_()
+        self.lora_bt[first:first + self.slot_width].zero_()
         rank = 0
         for p, part in enumerate(self.parts):
             if part not in weights:
@@ -101,8 +123,9 @@ class LoRALinear(nn.Module):
             a, b = weights[part]
             r = a.shape[0]
             (start, end), lo, hi = self.out_ranges[p], self.out_offsets[p], self.out_offsets[p + 1]
-            self.lora_a[slot, p, :r].copy_(a[:, self.in_range[0]:self.in_range[1]])
-            self.lora_b[slot, lo:hi, :r].copy_(b[start:end])
+            row = first + p * self.max_rank
+            self.lora_a[row:row + r].copy_(a[:, self.in_range[0]:self.in_range[1]])
+            self.lora_bt[row:row + r, lo:hi].copy_(b[start:end].T)
             rank = max(rank, r)
         self.slot_ranks[slot] = rank
 
@@ -111,30 +134,27 @@ class LoRALinear(nn.Module):
         mapping = self.context.mapping
         if mapping is None:
             return out
-        for slot, rows in mapping.groups:
+        if x.shape[0] * self.lora_a.shape[0] <= DENSE_MAX_ELEMENTS:
+            # a small step (decode, verification): every slot's columns, each row masked to its own
+            # slot: a few ops whatever the number of adapters (per-op cost dominates here)
+            xa = torch.mm(x.to(self.lora_a.dtype), self.lora_a.T)  # [T, L * P * R]
+            if self.tp is not None:
+                xa = self.tp.all_reduce(xa)
+            xa.mul_(mapping.slot_mask(self.max_loras, self.slot_width, xa.dtype))
+            return out.addmm_(xa.to(out.dtype), self.lora_bt.to(out.dtype))
+        for slot, rows in mapping.groups:  # a large step: each adapter's rows alone, exact work
             if self.slot_ranks[slot] == 0:
                 continue
+            first = slot * self.slot_width
             xs = x if rows is None else x.index_select(0, rows)
-            delta = self.delta(xs, slot)
+            xa = torch.mm(xs.to(self.lora_a.dtype), self.lora_a[first:first + self.slot_width].T)  # [n, P * R]
+            if self.tp is not None:
+                xa = self.tp.all_reduce(xa)
+            delta = torch.mm(xa, self.lora_bt[first:first + self.slot_width]).to(out.dtype)  # [n, out]
             if rows is None:
                 out += delta
             else:
                 out.index_add_(0, rows, delta)
-        return out
-
-    def delta(self, x: torch.Tensor, slot: int) -> torch.Tensor:  # x [n, in] -> [n, out]
-        r = self.slot_ranks[slot]
-        a = self.lora_a[slot, :, :r]  # [P, r, in]
-        xa = torch.matmul(x.to(a.dtype), a.transpose(1, 2))  # [P, n, r]
-        if self.tp is not None:
-            xa = self.tp.all_reduce(xa.contiguous())
-        b = self.lora_b[slot, :, :r]  # [out, r]
-        if len(self.parts) == 1:
-            return (xa[0] @ b.T).to(x.dtype)
-        out = torch.empty(x.shape[0], b.shape[0], dtype=x.dtype, device=x.device)
-        for p in range(len(self.parts)):
-            lo, hi = self.out_offsets[p], self.out_offsets[p + 1]
-            out[:, lo:hi] = xa[p] @ b[lo:hi].T
         return out
 
 

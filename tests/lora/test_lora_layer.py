@@ -26,8 +26,16 @@ def _layer(base: nn.Module, slots: dict[int, list], max_loras: int = 3) -> tuple
     return layer, context
 
 
+@pytest.fixture(params=["masked", "grouped"])
+def path(request, monkeypatch):
+    """Both execution paths: every slot at once with a row mask (small steps), per adapter (large)."""
+    if request.param == "grouped":
+        monkeypatch.setattr("specdec.layers.lora.DENSE_MAX_ELEMENTS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("quantized", [False, True])
-def test_mixed_rows_match_reference(quantized):
+def test_mixed_rows_match_reference(quantized, path):
     torch.manual_seed(0)
     base = nn.Linear(IN, sum(OUTS))
     if quantized:
@@ -45,7 +53,7 @@ def test_mixed_rows_match_reference(quantized):
     torch.testing.assert_close(layer(x), base(x))
 
 
-def test_one_adapter_owning_every_row_and_missing_parts():
+def test_one_adapter_owning_every_row_and_missing_parts(path):
     torch.manual_seed(0)
     base = nn.Linear(IN, sum(OUTS))
     a_q, b_q = _weights(3, RANK)[0]
@@ -63,7 +71,7 @@ def test_all_base_rows_build_no_mapping():
     assert LoRAMapping.build([NO_ADAPTER, NO_ADAPTER], [0, 2, 3], "cpu") is None
 
 
-def test_emptied_slot_adds_nothing():
+def test_emptied_slot_adds_nothing(path):
     torch.manual_seed(0)
     base = nn.Linear(IN, sum(OUTS))
     layer, context = _layer(base, {0: _weights(1, RANK)})
