@@ -48,12 +48,13 @@ class LoRAMapping:
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
     _masks: dict = field(default_factory=dict, repr=False)  # (slots, width, dtype) -> mask, shared by layers
 
-    def slot_mask(self, num_slots: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """[T, num_slots * width]: 1 where the column belongs to the row's slot (none for base rows)."""
-        key = (num_slots, width, dtype)
+    def slot_mask(self, num_parts: int, num_slots: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """[T, num_parts * num_slots * rank]: 1 where the column (part-major, then slot, then rank)
+        belongs to the row's slot; base rows get none."""
+        key = (num_parts, num_slots, rank, dtype)
         if key not in self._masks:
-            column_slot = torch.arange(num_slots, device=self.row_slots.device).repeat_interleave(width)
-            self._masks[key] = (self.row_slots[:, None] == column_slot[None, :]).to(dtype)
+            column_slot = torch.arange(num_slots, device=self.row_slots.device).repeat_interleave(rank)
+            self._masks[key] = (self.row_slots[:, None] == column_slot.repeat(num_parts)[None, :]).to(dtype)
         return self._masks[key]
 
     @classmethod
@@ -81,12 +82,11 @@ class LoRAContext:
 
 
 class LoRALinear(nn.Module):
-    """A linear plus per-row adapters. Storage, per slot l, part p and rank row j (``R`` =
-    max rank, ranks below it zero-padded), at row ``(l * P + p) * R + j``:
-    ``lora_a`` [L * P * R, in] holds A_p's row j, ``lora_bt`` [L * P * R, out] holds B_p's column j
-    in part p's output columns and zeros elsewhere. So ``(x A^T) Bt`` over one slot's rows is
-    that slot's delta for every part at once, and over all slots' rows, with each row's
-    ``x A^T`` masked to its own slot's columns, the whole batch's delta in two matmuls."""
+    """A linear plus per-row adapters. Storage, part-major (P parts, L slots, R = max rank, ranks
+    below it zero-padded): ``lora_a`` [P * L * R, in] holds part p's A for slot l in rows
+    ``(p * L + l) * R + j``; ``lora_bt[p]`` [L * R, out_p] holds its B transposed in rows
+    ``l * R + j``. One matmul gives every slot's ``x A^T``; masking each row to its own slot's
+    columns and multiplying by each part's ``lora_bt`` gives the whole batch's delta."""
 
     def __init__(self, base: nn.Module, parts: tuple[str, ...], out_ranges: list[tuple[int, int]],
                  in_range: tuple[int, int], max_loras: int, max_rank: int, context: LoRAContext,
@@ -103,29 +103,32 @@ class LoRALinear(nn.Module):
         self.context = context
         self.tp = tp
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.slot_width = len(parts) * max_rank  # rows of lora_a / lora_bt per slot
-        rows = max_loras * self.slot_width
-        self.register_buffer("lora_a", torch.zeros(rows, in_range[1] - in_range[0], dtype=dtype, device=device),
-                             persistent=False)  # [L * P * R, in]
-        self.register_buffer("lora_bt", torch.zeros(rows, self.out_offsets[-1], dtype=dtype, device=device),
-                             persistent=False)  # [L * P * R, out]
+        width = max_loras * max_rank  # columns of x A^T per part
+        self.part_width = width
+        self.register_buffer("lora_a", torch.zeros(len(parts) * width, in_range[1] - in_range[0], dtype=dtype,
+                                                   device=device), persistent=False)  # [P * L * R, in]
+        for p, size in enumerate(sizes):  # [L * R, out_p] each
+            self.register_buffer(f"lora_bt{p}", torch.zeros(width, size, dtype=dtype, device=device), persistent=False)
         self.slot_ranks = [0] * max_loras  # the largest rank loaded per slot (0: empty)
+
+    @property
+    def lora_bt(self) -> list[torch.Tensor]:
+        return [getattr(self, f"lora_bt{p}") for p in range(len(self.parts))]
 
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Fill ``slot`` from {part: (A [r, in], scaled B [out, r])}; parts absent stay zero."""
-        first = slot * self.slot_width
-        self.lora_a[first:first + self.slot_width].zero_()
-        self.lora_bt[first:first + self.slot_width].zero_()
-        rank = 0
+        rank, first = 0, slot * self.max_rank
         for p, part in enumerate(self.parts):
+            row = p * self.part_width + first
+            self.lora_a[row:row + self.max_rank].zero_()
+            self.lora_bt[p][first:first + self.max_rank].zero_()
             if part not in weights:
                 continue
             a, b = weights[part]
             r = a.shape[0]
-            (start, end), lo, hi = self.out_ranges[p], self.out_offsets[p], self.out_offsets[p + 1]
-            row = first + p * self.max_rank
+            start, end = self.out_ranges[p]
             self.lora_a[row:row + r].copy_(a[:, self.in_range[0]:self.in_range[1]])
-            self.lora_bt[row:row + r, lo:hi].copy_(b[start:end].T)
+            self.lora_bt[p][first:first + r].copy_(b[start:end].T)
             rank = max(rank, r)
         self.slot_ranks[slot] = rank
 
@@ -137,25 +140,36 @@ class LoRALinear(nn.Module):
         if x.shape[0] * self.lora_a.shape[0] <= DENSE_MAX_ELEMENTS:
             # a small step (decode, verification): every slot's columns, each row masked to its own
             # slot: a few ops whatever the number of adapters (per-op cost dominates here)
-            xa = torch.mm(x.to(self.lora_a.dtype), self.lora_a.T)  # [T, L * P * R]
+            xa = torch.mm(x.to(self.lora_a.dtype), self.lora_a.T)  # [T, P * L * R]
             if self.tp is not None:
                 xa = self.tp.all_reduce(xa)
-            xa.mul_(mapping.slot_mask(self.max_loras, self.slot_width, xa.dtype))
-            return out.addmm_(xa.to(out.dtype), self.lora_bt.to(out.dtype))
+            xa.mul_(mapping.slot_mask(len(self.parts), self.max_loras, self.max_rank, xa.dtype))
+            if len(self.parts) == 1:
+                return out.addmm_(xa.to(out.dtype), self.lora_bt[0].to(out.dtype))
+            w = self.part_width
+            for p, bt in enumerate(self.lora_bt):
+                lo, hi = self.out_offsets[p], self.out_offsets[p + 1]
+                out[:, lo:hi].addmm_(xa[:, p * w:(p + 1) * w].to(out.dtype), bt.to(out.dtype))
+            return out
         for slot, rows in mapping.groups:  # a large step: each adapter's rows alone, exact work
             if self.slot_ranks[slot] == 0:
                 continue
-            first = slot * self.slot_width
             xs = x if rows is None else x.index_select(0, rows)
-            xa = torch.mm(xs.to(self.lora_a.dtype), self.lora_a[first:first + self.slot_width].T)  # [n, P * R]
-            if self.tp is not None:
-                xa = self.tp.all_reduce(xa)
-            delta = torch.mm(xa, self.lora_bt[first:first + self.slot_width]).to(out.dtype)  # [n, out]
+            delta = self.slot_delta(xs, slot).to(out.dtype)
             if rows is None:
                 out += delta
             else:
                 out.index_add_(0, rows, delta)
         return out
+
+    def slot_delta(self, x: torch.Tensor, slot: int) -> torch.Tensor:  # x [n, in] -> [n, out]
+        first, r, num_parts = slot * self.max_rank, self.max_rank, len(self.parts)
+        a = self.lora_a.view(num_parts, self.max_loras, r, -1)[:, slot].reshape(num_parts * r, -1)  # [P * R, in]
+        xa = torch.mm(x.to(a.dtype), a.T)  # [n, P * R]
+        if self.tp is not None:
+            xa = self.tp.all_reduce(xa)
+        return torch.cat([xa[:, p * r:(p + 1) * r] @ bt[first:first + r] for p, bt in enumerate(self.lora_bt)],
+                         dim=1)
 
 
 def lora_reference(x: torch.Tensor, row_slots: list[int], slot_weights: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]

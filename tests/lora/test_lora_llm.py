@@ -61,10 +61,13 @@ def test_one_adapter_for_every_prompt_and_chat(llm, loras, expected, mixed):
 @pytest.mark.parametrize("spec", [
     {"method": "ngram", "num_speculative_tokens": 3},
     {"method": "draft_model", "num_speculative_tokens": 3},
+    {"method": "eagle", "num_speculative_tokens": 3},
 ])
-def test_speculation_is_lossless_with_adapters(llama_path, other_draft_path, spec, mixed, expected):
-    if spec["method"] == "draft_model":
-        spec = {**spec, "model": llama_path}  # the base model drafts for its adapted selves
+def test_speculation_is_lossless_with_adapters(llama_path, eagle_head_path, spec, mixed, expected):
+    """The draft is the base model's (itself here, or an EAGLE head reading the adapted hidden
+    states); verification runs every row under its request's adapter."""
+    if spec["method"] != "ngram":
+        spec = {**spec, "model": llama_path if spec["method"] == "draft_model" else eagle_head_path}
     llm = LLM(model=llama_path, **ENGINE, speculative_config=spec)
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False, lora_request=mixed)
     assert [o.outputs[0].token_ids for o in outs] == expected
