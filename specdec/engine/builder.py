@@ -69,9 +69,6 @@ def eos_ids(path: str, tokenizer, config) -> tuple[int, ...]:
 
 def _max_model_len(config, requested: int | None) -> int:
     limit = getattr(config, "max_position_embeddings", None) or MAX_DEFAULT_MODEL_LEN
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) is not False:
-        limit = min(limit, window)  # no sliding-window attention yet: stay inside the window
     if requested is None:
         return min(limit, MAX_DEFAULT_MODEL_LEN)
     if requested > limit:
