@@ -58,11 +58,12 @@ class Attention(nn.Module):
     """One layer's attention. Per-layer options (``specdec.layers.attention``): ``sliding_window``
     (keys at the last w positions only), ``sinks`` (a learned logit per head in the softmax
     denominator, the ``self_attn.sinks`` weight), ``softcap`` (c * tanh(x / c) on the scores),
-    ``scale`` (default head_dim^-0.5) and ``norm_class`` for the q/k norms."""
+    ``scale`` (default head_dim^-0.5), ``norm_class`` for the q/k norms and ``rotary_dim`` (partial
+    rotary: only a head's first dimensions rotate)."""
 
     def __init__(self, config, qkv_bias: bool, qk_norm: bool, attn_backend: AttentionBackend, *,
                  sliding_window: int | None = None, sinks: bool = False, softcap: float | None = None,
-                 scale: float | None = None, norm_class: type[nn.Module] = RMSNorm):
+                 scale: float | None = None, norm_class: type[nn.Module] = RMSNorm, rotary_dim: int | None = None):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = _cfg(config, "num_key_value_heads", self.num_heads)
@@ -70,6 +71,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5 if scale is None else scale
+        self.rotary_dim = self.head_dim if rotary_dim is None else rotary_dim
         self.sliding_window = sliding_window
         self.softcap = softcap
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if sinks else None
@@ -95,7 +97,7 @@ class Attention(nn.Module):
         """rope: the (cos, sin) rows of this step's positions, from ``RotaryEmbedding.lookup``."""
         qkv = self.qkv_proj(hidden)
         opts = self.options()
-        if self.q_norm is None and self.backend.qkv_attend is not None:
+        if self.q_norm is None and self.backend.qkv_attend is not None and self.rotary_dim == self.head_dim:
             with profile_range("attention"):
                 out = self.backend.qkv_attend(qkv, *rope, kv_cache, meta, self.scale, self.num_heads, **opts)
             if out is not None:
@@ -104,17 +106,23 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is None:
             # queries and keys are adjacent in the fused output: rotate both in one pass
-            qk = rotate(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+            qk = self._rotate(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), rope)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         else:
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-            q, k = rotate(q, *rope), rotate(k, *rope)
+            q, k = self._rotate(q, rope), self._rotate(k, rope)
         with profile_range("attention"):
             self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
             out = self.backend.attend(q, kv_cache, meta, self.scale, **opts)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
+
+
+    def _rotate(self, x: torch.Tensor, rope) -> torch.Tensor:  # [T, heads, D]
+        if self.rotary_dim == self.head_dim:
+            return rotate(x, *rope)
+        return torch.cat([rotate(x[..., :self.rotary_dim].contiguous(), *rope), x[..., self.rotary_dim:]], dim=-1)
 
 
 class MLP(nn.Module):
@@ -159,28 +167,41 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
+    norm_class: type[nn.Module] = RMSNorm  # the final norm's (a family's own layers choose theirs)
 
     def __init__(self, config, attn_backend: AttentionBackend = REFERENCE_BACKEND):
         super().__init__()
         self.config = config
         qkv_bias = self.qkv_bias or bool(_cfg(config, "attention_bias", False))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, self.qk_norm, attn_backend, **self.attention_options(config, i))
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, _cfg(config, "rms_norm_eps", 1e-6))
+        self.layers = nn.ModuleList(self.make_layer(config, i, qkv_bias, attn_backend)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = self.norm_class(config.hidden_size, _cfg(config, "rms_norm_eps", 1e-6))
         theta, scaling = _rope_params(config)
-        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary = RotaryEmbedding(self.rotary_dim, config.max_position_embeddings, theta, scaling)
         self.tie_word_embeddings = bool(_cfg(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def make_layer(self, config, layer_idx: int, qkv_bias: bool, attn_backend: AttentionBackend) -> nn.Module:
+        """Decoder layer ``layer_idx`` (a family with its own layer structure overrides this)."""
+        return DecoderLayer(config, qkv_bias, self.qk_norm, attn_backend, **self.attention_options(config, layer_idx))
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotated dimensions of a head (a family with partial rotary overrides this)."""
+        return self.head_dim
+
     def attention_options(self, config, layer_idx: int) -> dict:
         """Layer ``layer_idx``'s ``Attention`` keyword options (a family overrides this)."""
         window = layer_sliding_window(config, layer_idx)
         return {} if window is None else {"sliding_window": window}
+
+    def rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata):
+        """The step's rotary (cos, sin) rows, shared by every layer (a family whose table depends
+        on more than the position overrides this)."""
+        return self.rotary.lookup(positions)
 
     @property
     def num_kv_heads(self) -> int:
@@ -196,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         residual stream entering each of those layers, concatenated in their order: [T, n * H]."""
         hidden = self.embed_tokens(input_ids)  # [T, H]
         residual = None
-        rope = self.rotary.lookup(positions)  # once per step, not once per layer
+        rope = self.rope_rows(positions, meta)  # once per step, not once per layer
         collected: dict[int, torch.Tensor] = {}
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if i in aux_layers:  # vLLM's convention: layer L's input, i.e. Hugging Face hidden_states[L]
