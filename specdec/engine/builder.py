@@ -20,6 +20,9 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     generation_defaults: dict
+    # the window of every layer of every model reading the KV block tables, None if any layer is
+    # global: KV behind it is freed as requests advance (``KVCacheManager``)
+    kv_sliding_window: int | None = None
 
 
 def load_tokenizer(path: str):
@@ -76,6 +79,24 @@ def _max_model_len(config, requested: int | None) -> int:
     return requested
 
 
+def all_layers_window(config) -> int | None:
+    """The sliding window if every layer of the model has one (the largest), else None."""
+    from specdec.models.llama import layer_sliding_window
+
+    windows = [layer_sliding_window(config, i) for i in range(config.num_hidden_layers)]
+    return None if not windows or None in windows else max(windows)
+
+
+def kv_sliding_window(config, draft_config, method: str | None) -> int | None:
+    """Proposers without a KV cache (n-gram, suffix, replay) read nothing behind the window; a draft
+    model must be all-sliding too; EAGLE heads attend to everything."""
+    window = all_layers_window(config)
+    if window is None or method in (None, "ngram", "suffix", "replay"):
+        return window
+    draft_window = all_layers_window(draft_config) if method == "draft_model" and draft_config else None
+    return None if draft_window is None else max(window, draft_window)
+
+
 def tokenizer_path(cfg: EngineConfig, model_path: str) -> str:
     return resolve_model_path(cfg.tokenizer) if cfg.tokenizer else model_path
 
@@ -86,6 +107,7 @@ def resolve_model_info(cfg: EngineConfig) -> ModelInfo:
     tokenizer = load_tokenizer(tokenizer_path(cfg, path))
     max_model_len = _max_model_len(config, cfg.max_model_len)
     spec = cfg.speculative_config
+    draft_cfg = None
     if spec is not None and spec.method == "draft_model":
         draft_path = resolve_model_path(spec.model)
         draft_cfg = load_config(draft_path)
@@ -97,7 +119,7 @@ def resolve_model_info(cfg: EngineConfig) -> ModelInfo:
                                  f"{draft_limit} positions")
             max_model_len = draft_limit
     return ModelInfo(path, config, tokenizer, max_model_len, config.vocab_size, eos_ids(path, tokenizer, config),
-                     generation_defaults(path))
+                     generation_defaults(path), kv_sliding_window(config, draft_cfg, spec.method if spec else None))
 
 
 def check_vocab_compatible(tokenizer, config, draft_tokenizer, draft_config, draft_path: str) -> None:
