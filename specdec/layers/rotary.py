@@ -3,7 +3,10 @@
 LongRoPE (Phi-3 ``rope_type`` "longrope"): two tables, the short factors' for a request whose
 sequence fits ``original_max_position_embeddings`` and the long factors' beyond it, both scaled by
 the attention factor (sqrt(1 + ln(factor) / ln(original)) unless the config gives one), as
-transformers computes them; ``lookup`` takes which rows use the long table.
+transformers computes them; ``lookup`` takes which rows use the long table. YaRN (gpt-oss,
+DeepSeek): frequencies blended between interpolation and extrapolation over the correction
+range of ``beta_fast`` / ``beta_slow``, tables scaled by its attention factor (0.1 ln(factor) + 1,
+or the ``mscale`` / ``mscale_all_dim`` ratio), as transformers computes them.
 """
 from __future__ import annotations
 
@@ -30,7 +33,53 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+def _yarn_factor(scaling: dict, max_position: int | None) -> float:
+    factor = scaling.get("factor")
+    return float(factor) if factor is not None else max_position / scaling["original_max_position_embeddings"]
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict, max_position: int | None) -> torch.Tensor:
+    factor = _yarn_factor(scaling, max_position)
+    original = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:  # the dimension that turns num_rotations times
+        return head_dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    extrapolation = 1 - ramp  # weight of the unscaled frequencies
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_factor(scaling: dict | None, max_position: int) -> float:
+    """What the cos / sin tables are multiplied by (1 but for LongRoPE and YaRN)."""
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "longrope":
+        return longrope_attention_factor(scaling, max_position)
+    if rope_type != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling, max_position)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_position: int | None = None
+                     ) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
@@ -41,8 +90,10 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch
         return _llama3_inv_freq(inv_freq, scaling)
     if rope_type == "longrope":
         return longrope_inv_freq(head_dim, theta, scaling, long=False)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling, max_position)
     raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3, "
-                     f"longrope)")
+                     f"longrope, yarn)")
 
 
 def longrope_inv_freq(head_dim: int, theta: float, scaling: dict, long: bool) -> torch.Tensor:
@@ -83,10 +134,11 @@ class RotaryEmbedding(nn.Module):
             freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
             return (freqs.cos() * mscale).to(device), (freqs.sin() * mscale).to(device)
 
+        mscale = attention_factor(self.scaling, self.max_position)
         if self.original_max_position is None:
-            self.cos, self.sin = tables(compute_inv_freq(self.head_dim, self.theta, self.scaling))
+            self.cos, self.sin = tables(compute_inv_freq(self.head_dim, self.theta, self.scaling, self.max_position),
+                                        mscale)
             return
-        mscale = longrope_attention_factor(self.scaling, self.max_position)
         self.cos, self.sin = tables(longrope_inv_freq(self.head_dim, self.theta, self.scaling, False), mscale)
         self.cos_long, self.sin_long = tables(longrope_inv_freq(self.head_dim, self.theta, self.scaling, True), mscale)
 
