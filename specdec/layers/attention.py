@@ -269,42 +269,53 @@ MAX_PADDED_QUERY_LEN = 17  # mixed steps up to K = 16 verification rows run as o
 
 @dataclass
 class _TorchPlan:
-    """What every layer of a step shares in ``paged_attention_torch``: computed once per step."""
+    """What every layer of a step with one sliding window (or none) shares in
+    ``paged_attention_torch``: computed once per step and window."""
     q_len: int  # rows per request in the call (the longest, when padded)
-    max_len: int  # the longest context
+    key_len: int  # keys gathered per request (its window's blocks, or its whole context)
     table: torch.Tensor  # [R * num_blocks] the block ids to gather
+    bias: torch.Tensor | None  # [R, 1, 1, q_len, key_len] float32 additive mask
     padded: tuple | None  # ``AttentionMetadata.padded_rows()`` for mixed query lengths
     workspace: dict = field(default_factory=dict)  # gather and matmul buffers, reused layer after layer
-    # per sliding window (None: full attention): [R, 1, 1, q_len, max_len] float32 additive mask, or None
-    biases: dict = field(default_factory=dict)
 
 
-def _torch_plan(meta: AttentionMetadata) -> _TorchPlan:
-    if meta._torch_plan is not None:
-        return meta._torch_plan
+def _torch_plan(meta: AttentionMetadata, window: int | None) -> _TorchPlan:
+    """The plan for layers with this sliding window (None: full attention), cached on the step.
+    A sliding layer gathers only the blocks from its first row's window on: request r's key
+    column c is key ``offset[r] + c``."""
+    plans = meta._torch_plan if meta._torch_plan is not None else {}
+    meta._torch_plan = plans
+    seq_lens, bs = meta.seq_lens_cpu, meta.block_size
+    max_len = max(seq_lens)
+    if window is not None and window >= max_len:
+        window = None  # no key of the step is that far back
+    if window in plans:
+        return plans[window]
     padded = meta.padded_rows() if meta.uniform_query_len is None else None
     q_len = padded[2] if padded else meta.uniform_query_len
-    max_len = max(meta.seq_lens_cpu)
-    num_blocks = -(-max_len // meta.block_size)
-    table = meta.block_tables[:, :num_blocks].reshape(-1)  # index_select on it: ~3x cheaper than [table]
-    meta._torch_plan = _TorchPlan(q_len, max_len, table, padded)
-    return meta._torch_plan
-
-
-def _plan_bias(meta: AttentionMetadata, plan: _TorchPlan, window: int | None) -> torch.Tensor | None:
-    """The step's additive mask for layers with this sliding window (cached per window)."""
-    if window is not None and window >= plan.max_len:
-        window = None  # no key of the step is that far back
-    if window in plan.biases:
-        return plan.biases[window]
-    q_len, max_len, padded = plan.q_len, plan.max_len, plan.padded
+    device = meta.seq_lens.device
+    if window is None:
+        first_blocks = None
+        num_blocks = -(-max_len // bs)
+        table = meta.block_tables[:, :num_blocks].reshape(-1)  # index_select on it: ~3x cheaper than [table]
+        key_len = max_len
+    else:  # every row sees keys from (its first row's position) - window + 1 on (tree nodes sit later)
+        firsts = [max(0, s - q - window + 1) // bs for s, q in zip(seq_lens, meta.query_lens)]
+        num_blocks = max(-(-s // bs) - f for s, f in zip(seq_lens, firsts))
+        first_blocks = torch.tensor(firsts, device=device)
+        index = (first_blocks[:, None] + torch.arange(num_blocks, device=device)).clamp_(
+            max=meta.block_tables.shape[1] - 1)  # past a request's last block: keys its mask hides
+        table = meta.block_tables.gather(1, index).reshape(-1)
+        key_len = max(s - f * bs for s, f in zip(seq_lens, firsts))
     bias = None
-    if q_len > 1 or min(meta.seq_lens_cpu) != max_len or meta.tree_masks is not None or window is not None:
+    if q_len > 1 or min(seq_lens) != max_len or meta.tree_masks is not None or window is not None:
         # row j of request r sees keys <= seq_len[r] - q_len[r] + j (bottom-right causal, padding
-        # hidden); a padding row (j >= q_len[r]) sees at least key 0, so its softmax stays finite
-        device = meta.seq_lens.device
+        # hidden); a padding row (j >= q_len[r]) sees at least its request's first gathered key,
+        # so its softmax stays finite
         rows = torch.arange(q_len, device=device).view(1, q_len, 1)
-        cols = torch.arange(max_len, device=device).view(1, 1, max_len)
+        cols = torch.arange(key_len, device=device).view(1, 1, key_len)
+        if first_blocks is not None:
+            cols = cols + (first_blocks * bs).view(-1, 1, 1)  # [R, 1, L] key positions
         lens = padded[1].view(-1, 1, 1) if padded else q_len
         limit = meta.seq_lens.view(-1, 1, 1) - lens + rows  # [R, q, 1] each row's slot
         allowed = cols <= limit  # [R, q, L]
@@ -316,21 +327,20 @@ def _plan_bias(meta: AttentionMetadata, plan: _TorchPlan, window: int | None) ->
                     if int(depth.max()) > window:
                         raise ValueError(f"a token tree of depth {int(depth.max())} exceeds the sliding window "
                                          f"of {window} positions")
-                    rows_r = pos[r, :depth.shape[0], 0]
-                    pos[r, :depth.shape[0], 0] = torch.where(depth > 0, tree[0] - 1 + depth, rows_r)
-            in_window = (cols > pos - window) | (rows >= lens)  # padding rows keep their key 0
-            for r, tree in enumerate(meta.tree_masks or ()):
-                if tree is not None:  # tree keys are ancestors, within the window
-                    in_window[r, :, tree[0]:] = True
-            allowed &= in_window
+                    pos[r, :depth.shape[0], 0] = torch.where(depth > 0, tree[0] - 1 + depth, pos[r, :depth.shape[0], 0])
+            allowed &= (cols > pos - window) | (rows >= lens)  # padding rows keep their first key
         for r, tree in enumerate(meta.tree_masks or ()):
             if tree is not None:  # a token tree: causal before base, then its own mask
                 base, node_mask = tree
-                allowed[r, :node_mask.shape[0], base:base + node_mask.shape[1]] &= node_mask
+                n = node_mask.shape[0]
+                col = base - (0 if first_blocks is None else int(first_blocks[r]) * bs)
+                if window is not None:  # tree keys are ancestors, inside the window: causal alone
+                    allowed[r, :n, col:] = cols[r, :, col:] <= limit[r, :n]
+                allowed[r, :n, col:col + node_mask.shape[1]] &= node_mask
         bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill_(~allowed, float("-inf"))
         bias = bias[:, None, None]
-    plan.biases[window] = bias
-    return bias
+    plans[window] = _TorchPlan(q_len, key_len, table, bias, padded)
+    return plans[window]
 
 
 def paged_attention_torch(
@@ -351,7 +361,7 @@ def paged_attention_torch(
     (measured: a batch-32 step with a few K > 0 requests cost 6-10% more than a pure decode
     step when it went request by request). The gather table and the mask are built once per
     step, not once per layer (measured on the 1.1B Llama at K = 5: attention 10.1 -> 5.3 ms of a
-    52 ms step)."""
+    52 ms step). A sliding layer gathers only its window's blocks."""
     if meta.uniform_query_len is None and meta.max_query_len > MAX_PADDED_QUERY_LEN:
         # prefill chunks among them: one call per length
         out = torch.empty_like(query)
@@ -361,15 +371,14 @@ def paged_attention_torch(
         return out
     # decode rows next to verification rows of different K are padded to the longest, one call
     # (a call per length cost ~10 ms per batch-32 step on a 30-layer model)
-    plan = _torch_plan(meta)
+    plan = _torch_plan(meta, sliding_window)
     num_reqs = meta.num_reqs
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, bs = kv_cache.shape[3], meta.block_size
-    q_len, max_len = plan.q_len, plan.max_len
+    q_len, key_len, bias = plan.q_len, plan.key_len, plan.bias
     width = plan.table.shape[0] // num_reqs * bs
-    k, v = (_gather(kv_cache[i], plan, f"gather{i}").view(num_reqs, width, num_kv_heads, head_dim)[:, :max_len]
+    k, v = (_gather(kv_cache[i], plan, f"gather{i}").view(num_reqs, width, num_kv_heads, head_dim)[:, :key_len]
             for i in (0, 1))
-    bias = _plan_bias(meta, plan, sliding_window)
     if plan.padded is None:
         return _grouped_attention(query.view(num_reqs, q_len, num_heads, head_dim), k, v, bias, scale,
                                   plan.workspace, sinks, softcap)
