@@ -1,6 +1,7 @@
-"""Phi-3 / Phi-4-mini (``Phi3ForCausalLM``): the Llama decoder with its projections fused as
-published (``qkv_proj``, ``gate_up_proj``: loaded whole), partial rotary when the config sets
-``partial_rotary_factor``, and LongRoPE.
+"""Phi-3 / Phi-4-mini (``Phi3ForCausalLM``): the Llama decoder, partial rotary when the config
+sets ``partial_rotary_factor``, and LongRoPE. The checkpoint's fused ``qkv_proj`` / ``gate_up_proj``
+are cut into their q, k, v / gate, up parts as they are read, so they load (and shard under
+tensor parallelism: each rank keeps its heads' rows of each part) like every other family's.
 
 LongRoPE follows transformers: a request whose sequence is longer than
 ``original_max_position_embeddings`` rotates with the long factors, otherwise with the short
@@ -10,6 +11,8 @@ whose generation crosses the switch point; here the keys cached before the cross
 short factors (as vLLM does), so such a request matches transformers only up to the crossing.
 """
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -25,7 +28,29 @@ def _partial_rotary_factor(config) -> float:
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    _stacked = ()  # the checkpoint's qkv_proj / gate_up_proj are already our fused modules
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._unfused(weights))
+
+    def _unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        config = self.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        q_size = config.num_attention_heads * head_dim
+        kv_size = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+        split = getattr(self, "tensor_parallel_split", None)  # this rank's rows of each part
+        for name, tensor in weights:
+            if ".qkv_proj." in name:
+                parts = zip(("q_proj", "k_proj", "v_proj"), ("q", "kv", "kv"), tensor.split([q_size, kv_size, kv_size]))
+            elif ".gate_up_proj." in name:
+                parts = zip(("gate_proj", "up_proj"), ("mlp", "mlp"), tensor.chunk(2, dim=0))
+            else:
+                yield name, tensor
+                continue
+            fused = "qkv_proj" if ".qkv_proj." in name else "gate_up_proj"
+            for part, kind, value in parts:
+                if split is not None:
+                    start, end = split.rows(kind)
+                    value = value[start:end]
+                yield name.replace(f".{fused}.", f".{part}."), value
 
     def make_layer(self, config, layer_idx: int, qkv_bias: bool, attn_backend: AttentionBackend) -> nn.Module:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

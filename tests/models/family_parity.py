@@ -72,9 +72,11 @@ def check_plain_chunked_and_prefix_cached(path: str, prompts, shared_prefix_prom
 
 
 def check_preemption(path: str, prompts, reference: HFGreedy, max_model_len: int, draft: str | None = None,
-                     k: int = 3) -> None:
+                     k: int = 3, keep_all_blocks: bool = False) -> None:
     """The least KV the engine accepts (one full-length sequence) for a batch: requests are
-    preempted and recomputed, with prefix caching on, and speculation when ``draft`` is given."""
+    preempted and recomputed, with prefix caching on, and speculation when ``draft`` is given.
+    ``keep_all_blocks``: do not free blocks behind sliding windows (with the freeing an
+    all-sliding model may fit the batch without preempting)."""
     bs = 8
     num_blocks = -(-(max_model_len + (k if draft else 0) + 1) // bs)
     spec = {"speculative_config": {"method": "draft_model", "model": draft, "num_speculative_tokens": k}} \
@@ -82,6 +84,8 @@ def check_preemption(path: str, prompts, reference: HFGreedy, max_model_len: int
     llm = LLM(model=path, **ENGINE, max_model_len=max_model_len, block_size=bs,
               kv_cache_memory=kv_budget([path] + ([draft] if draft else []), bs, num_blocks), **spec)
     assert llm.engine.kv.pool.num_blocks == num_blocks
+    if keep_all_blocks:
+        llm.engine.kv.sliding_window = None
     assert_matches(llm, prompts, reference)
     assert llm.get_metrics()["num_preemptions"] > 0
     assert_no_leaks(llm)
@@ -98,3 +102,13 @@ def check_speculative(path: str, prompts, reference: HFGreedy, max_model_len: in
     if expect_accepted:
         assert metrics["num_accepted_tokens"] > 0
     assert_no_leaks(llm)
+
+
+def check_tensor_parallel(path: str, prompts, reference: HFGreedy, max_model_len: int) -> None:
+    """Two ranks over gloo (each holds half the heads and of the MLP) decode as transformers does."""
+    llm = LLM(model=path, **ENGINE, max_model_len=max_model_len, tensor_parallel_size=2)
+    try:
+        assert_matches(llm, prompts, reference)
+        assert_no_leaks(llm)
+    finally:
+        llm.engine.executor.shutdown()

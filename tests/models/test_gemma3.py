@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from family_parity import (
-    HFGreedy, check_plain_chunked_and_prefix_cached, check_preemption, check_speculative,
+    HFGreedy, check_plain_chunked_and_prefix_cached, check_preemption, check_speculative, check_tensor_parallel,
 )
 
 NUM_NEW = 24
@@ -95,3 +95,7 @@ def test_speculation_is_greedy_identical(method, target, small_draft, noisy_draf
     }[method]
     check_speculative(target, batch[0] + batch[1], reference, MAX_MODEL_LEN, spec,
                       expect_accepted=method != "small_draft")
+
+
+def test_two_tensor_parallel_ranks(target, reference, batch):
+    check_tensor_parallel(target, batch[0][:4], reference, MAX_MODEL_LEN)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from family_parity import (
-    HFGreedy, check_plain_chunked_and_prefix_cached, check_preemption, check_speculative,
+    HFGreedy, check_plain_chunked_and_prefix_cached, check_preemption, check_speculative, check_tensor_parallel,
 )
 
 NUM_NEW = 20
@@ -78,7 +78,8 @@ def test_plain_chunked_and_prefix_cached(target, reference, batch):
 
 def test_preemption_with_a_draft(target, small_draft, reference, batch):
     short, long, _ = batch
-    check_preemption(target, short + long, reference, MAX_MODEL_LEN, draft=small_draft)
+    # every layer of both models slides: the freeing alone would let this batch fit
+    check_preemption(target, short + long, reference, MAX_MODEL_LEN, draft=small_draft, keep_all_blocks=True)
 
 
 @pytest.mark.parametrize("method", ["small_draft", "noisy", "ngram"])
@@ -93,3 +94,9 @@ def test_speculation_is_greedy_identical(method, target, small_draft, reference,
     }[method]()
     short, long, _ = batch
     check_speculative(target, short + long, reference, MAX_MODEL_LEN, spec, expect_accepted=method != "small_draft")
+
+
+def test_two_tensor_parallel_ranks(target, reference, batch):
+    """The fused checkpoint weights are cut into per-rank q / k / v and gate / up rows."""
+    short, long, _ = batch
+    check_tensor_parallel(target, short[:3] + long[:1], reference, MAX_MODEL_LEN)
