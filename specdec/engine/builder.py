@@ -97,6 +97,20 @@ def kv_sliding_window(config, draft_config, method: str | None) -> int | None:
     return None if draft_window is None else max(window, draft_window)
 
 
+def check_tree_depth(spec, configs) -> None:
+    """A token tree's nodes see their ancestors through the mask alone, which needs the tree no
+    deeper than the smallest sliding window of the models that read it."""
+    from specdec.models.llama import layer_sliding_window
+
+    if spec is None or not spec.is_tree:
+        return
+    windows = [w for c in configs if c is not None for i in range(c.num_hidden_layers)
+               if (w := layer_sliding_window(c, i)) is not None]
+    if windows and spec.max_k > min(windows):
+        raise ValueError(f"speculative_config.num_speculative_tokens {spec.max_k} (the token tree's depth) exceeds "
+                         f"the model's sliding window of {min(windows)} positions")
+
+
 def tokenizer_path(cfg: EngineConfig, model_path: str) -> str:
     return resolve_model_path(cfg.tokenizer) if cfg.tokenizer else model_path
 
@@ -118,6 +132,7 @@ def resolve_model_info(cfg: EngineConfig) -> ModelInfo:
                 raise ValueError(f"max_model_len {max_model_len} exceeds the draft model's limit of "
                                  f"{draft_limit} positions")
             max_model_len = draft_limit
+    check_tree_depth(spec, (config, draft_cfg))
     return ModelInfo(path, config, tokenizer, max_model_len, config.vocab_size, eos_ids(path, tokenizer, config),
                      generation_defaults(path), kv_sliding_window(config, draft_cfg, spec.method if spec else None))
 

@@ -99,3 +99,12 @@ def test_speculation_is_greedy_identical(method, target, small_draft, noisy_draf
 
 def test_two_tensor_parallel_ranks(target, reference, batch):
     check_tensor_parallel(target, batch[0][:4], reference, MAX_MODEL_LEN)
+
+
+def test_a_tree_deeper_than_the_window_is_refused_at_start(target, noisy_draft):
+    from specdec import LLM
+
+    with pytest.raises(ValueError, match="num_speculative_tokens 9 .* sliding window of 8"):
+        LLM(model=target, dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN,
+            speculative_config={"method": "draft_model", "model": noisy_draft, "num_speculative_tokens": 9,
+                                "tree_topk": 2, "tree_nodes": 12})
