@@ -118,7 +118,6 @@ class Attention(nn.Module):
             out = self.backend.attend(q, kv_cache, meta, self.scale, **opts)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
-
     def _rotate(self, x: torch.Tensor, rope) -> torch.Tensor:  # [T, heads, D]
         if self.rotary_dim == self.head_dim:
             return rotate(x, *rope)
