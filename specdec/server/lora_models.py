@@ -20,6 +20,17 @@ from specdec.lora.request import LoRARequest
 from specdec.server.protocol import APIError
 
 
+MAX_NAME_CHARS = 256
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates
+        return False
+    return True
+
+
 def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:
     """``name=path`` items (vLLM's ``--lora-modules``) -> [(name, path)]."""
     out = []
@@ -69,6 +80,9 @@ class LoRAModels:
         """``/v1/load_lora_adapter``: ``add`` for a path inside the allowed folders (400 otherwise)."""
         if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
             raise APIError(400, "lora_name and lora_path must be non-empty strings", param="lora_name")
+        if len(name) > MAX_NAME_CHARS or not _is_utf8(name):
+            raise APIError(400, f"lora_name must be valid text of at most {MAX_NAME_CHARS} characters",
+                           param="lora_name")
         self.check_allowed(path)
         try:
             return self.add(name, path)
@@ -84,9 +98,14 @@ class LoRAModels:
         self._forget(request.lora_int_id)
 
     def check_allowed(self, path: str) -> None:
-        if "\x00" in path or ".." in Path(path).parts:
+        if "\x00" in path or not _is_utf8(path):
+            raise APIError(400, "lora_path must be valid text without NUL characters", param="lora_path")
+        if ".." in Path(path).parts:
             raise APIError(400, "lora_path must not contain '..'", param="lora_path")
-        real = os.path.realpath(path)  # follows symlinks: one leading out of an allowed folder is outside
+        try:
+            real = os.path.realpath(path)  # follows symlinks: one leading out of an allowed folder is outside
+        except (OSError, ValueError) as e:
+            raise APIError(400, f"lora_path cannot be resolved: {e}", param="lora_path") from None
         for allowed in self.allowed_dirs:
             if os.path.commonpath([real, allowed]) == allowed and real != allowed:
                 return

@@ -120,3 +120,34 @@ def test_bad_startup_adapter_stops_the_start(llm, allowed):
         build_app(llm.engine, ServerSettings(model_name="tiny", lora_modules=[("big", str(root / "big"))]))
     with pytest.raises(ValueError, match="needs at least one --lora-allowed-dir"):
         build_app(llm.engine, ServerSettings(model_name="tiny", enable_lora_runtime_updates=True))
+
+
+def test_hostile_adapter_bodies_are_4xx(client, allowed):
+    """A corpus of malformed load / unload bodies and model names: each a 4xx in OpenAI's shape,
+    the server still serving the base model and the adapters afterwards."""
+    root, outside = allowed
+    good = str(root / "good")
+    corpus = [
+        ("/v1/load_lora_adapter", b"[]"), ("/v1/load_lora_adapter", b"null"), ("/v1/load_lora_adapter", b"{}"),
+        ("/v1/load_lora_adapter", b'{"lora_name": 1, "lora_path": 2}'),
+        ("/v1/load_lora_adapter", b'{"lora_name": ["a"], "lora_path": "' + good.encode() + b'"}'),
+        ("/v1/load_lora_adapter", b'{"lora_name": "tiny", "lora_path": "' + good.encode() + b'"}'),
+        ("/v1/load_lora_adapter", b'{"lora_name": "n", "lora_path": "' + good.encode() + b'\\u0000"}'),
+        ("/v1/load_lora_adapter", b'{"lora_name": "n", "lora_path": "\\ud800"}'),
+        ("/v1/load_lora_adapter", b'{"lora_name": "n", "lora_path": "/"}'),
+        ("/v1/load_lora_adapter", b'{"lora_name": "n", "lora_path": "relative/dir"}'),
+        ("/v1/load_lora_adapter", b'{"lora_name": "n", "lora_path": "' + str(root).encode() + b'"}'),
+        ("/v1/load_lora_adapter", b'{"lora_name": "n", "lora_path": "' + good.encode() +
+         b'/adapter_config.json"}'),
+        ("/v1/load_lora_adapter", b'{"lora_name": "' + b"n" * 100000 + b'", "lora_path": "/x"}'),
+        ("/v1/unload_lora_adapter", b'{"lora_name": "tiny"}'), ("/v1/unload_lora_adapter", b'{"lora_name": 5}'),
+        ("/v1/unload_lora_adapter", b"{}"),
+        ("/v1/completions", b'{"model": "\\ud800", "prompt": "x"}'),
+        ("/v1/completions", b'{"model": "all ", "prompt": "x"}'), ("/v1/completions", b'{"model": 7, "prompt": "x"}'),
+    ]
+    for path, body in corpus:
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+        assert 400 <= r.status_code < 500, (path, body[:80], r.status_code, r.text[:200])
+        assert set(r.json()["error"]) >= {"message", "type", "code", "param"}
+    assert {m["id"] for m in client.get("/v1/models").json()["data"]} == {"tiny", "all", "qv"}
+    assert _complete(client, "all").status_code == 200
