@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kernels import woq_cpu
+from specdec.kernels import amx_cpu, woq_cpu
 from specdec.kernels.woq_format import (
     Int4Weight,
     Int8Weight,
@@ -139,7 +139,8 @@ class Bf16WeightLinear(nn.Module):
         if ops is None:
             return _Bf16Plan(None, 0)
         if self.pairs:
-            op = ops.bf16_pairs_linear.default
+            amx = amx_cpu.extension() if bf16_amx_faster() else None
+            op = amx.amx_bf16_linear.default if amx is not None else ops.bf16_pairs_linear.default
             return _Bf16Plan(lambda x: op(x, weight, bias), None)  # noqa: E731
         op = ops.bf16_linear.default
         return _Bf16Plan(lambda x: op(x, weight, bias), woq_cpu.BF16_KERNEL_MAX_ROWS * self.in_features)  # noqa: E731
@@ -155,7 +156,7 @@ class Bf16WeightLinear(nn.Module):
         return woq_cpu.bf16_linear(x, self.weight_bf16, self.bias)  # past the kernel's rows: float32 GEMM
 
     def extra_repr(self) -> str:
-        layout = ", pair layout" if self.pairs else ""
+        layout = (", pair layout, AMX" if bf16_amx_faster() else ", pair layout") if self.pairs else ""
         return f"bf16 weight{layout}, in={self.in_features}, out={self.out_features}"
 
 
@@ -195,6 +196,59 @@ def bf16_kernel_faster() -> bool:
                 call(i % 4)
             best[name] = min(best[name], time.perf_counter() - start)
     return best["kernel"] < 1.1 * best["onednn"]
+
+
+VERIFY_ROWS = 8  # the row count that stands for a verification step (K = 7 drafts) when kernels are compared
+
+
+def pick_row_kernel(seconds: dict[str, dict[int, float]], tolerance: float = 0.1) -> str:
+    """The kernel to run at every row count, from measured seconds per call ``{kernel: {rows: s}}`` (rows
+    1 and ``VERIFY_ROWS``): the fastest at ``VERIFY_ROWS`` rows among those within ``tolerance`` of the
+    fastest one-row time. One kernel for all row counts keeps a row's result independent of the call's
+    row count (kernels sum in different orders); a plain decode step costs at most ``tolerance`` more so
+    that a verification costs what the best kernel charges for it."""
+    best_one = min(t[1] for t in seconds.values())
+    near = {name: t for name, t in seconds.items() if t[1] <= (1 + tolerance) * best_one}
+    return min(near, key=lambda name: near[name][VERIFY_ROWS])
+
+
+def time_row_kernels(calls: dict[str, Callable[[int, torch.Tensor], object]], k: int,
+                     rows: tuple[int, ...] = (1, VERIFY_ROWS), passes: int = 5, calls_per_pass: int = 8,
+                     copies: int = 4) -> dict[str, dict[int, float]]:
+    """Seconds per call of each ``calls[name](copy index, x)`` at each row count: the kernels alternate
+    over ``passes`` passes of ``calls_per_pass`` calls that walk ``copies`` weights (so no weight stays in
+    cache), best pass each (on a shared machine the best pass is the one a neighbour disturbed least)."""
+    xs = {m: torch.randn(m, k).to(torch.bfloat16) for m in rows}
+    best = {name: dict.fromkeys(rows, float("inf")) for name in calls}
+    for _ in range(passes):
+        for m in rows:
+            for name, call in calls.items():
+                start = time.perf_counter()
+                for i in range(calls_per_pass):
+                    call(i % copies, xs[m])
+                best[name][m] = min(best[name][m], (time.perf_counter() - start) / calls_per_pass)
+    return best
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_amx_times() -> dict[str, dict[int, float]] | None:
+    """Seconds per call of the AVX-512 pair kernel and the AMX kernel on a bf16 [4096, 2048] weight in pair
+    layout (4 copies, 64 MB), at 1 and ``VERIFY_ROWS`` rows; None where either cannot run here."""
+    if not (amx_cpu.available() and woq_cpu.bf16_pairs_available()):
+        return None
+    weights = [woq_cpu.pack_bf16_pairs(torch.full((4096, 2048), 0.01, dtype=torch.bfloat16)) for _ in range(4)]
+    ops, amx = woq_cpu.extension(), amx_cpu.extension()
+    return time_row_kernels({"avx512_bf16": lambda i, x: ops.bf16_pairs_linear(x, weights[i], None),
+                             "amx": lambda i, x: amx.amx_bf16_linear(x, weights[i], None)}, 2048)
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_amx_faster() -> bool:
+    """Whether ``Bf16WeightLinear`` runs the AMX kernel (``amx_cpu.amx_bf16_linear``) on its pair-layout
+    weight instead of the AVX-512 pair kernel: measured here (``bf16_amx_times``, ``pick_row_kernel``),
+    never assumed from the CPU flags. ``SPECDEC_DISABLE_AMX=1`` turns it off."""
+    times = bf16_amx_times()
+    return times is not None and pick_row_kernel(times) == "amx"
 
 
 class WeightOnlyLinear(nn.Module):

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kernels import woq_cpu
+from specdec.kernels import amx_cpu, woq_cpu
 from specdec.layers import quantization
 from specdec.layers.norm import RMSNorm
 from specdec.kernels.woq_format import quantize_int4, quantize_int8, reference_linear, reference_linear_a8
@@ -89,12 +89,15 @@ def test_bf16_weight_linear_on_a_bf16_model_equals_f_linear(rows):
 
 
 @pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
-@pytest.mark.parametrize("pairs_cpu", [True, False])
+@pytest.mark.parametrize("pairs_cpu, amx", [(True, False), (True, True), (False, False)])
 def test_bf16_weight_linear_from_a_bf16_linear_takes_the_pair_kernel_only_where_the_cpu_has_bf16_dot_products(
-        monkeypatch, pairs_cpu):
+        monkeypatch, pairs_cpu, amx):
     if pairs_cpu and not woq_cpu.bf16_pairs_available():
         pytest.skip("no avx512_bf16 here")
+    if amx and not amx_cpu.available():
+        pytest.skip("no AMX here")
     monkeypatch.setattr(woq_cpu, "bf16_pairs_available", lambda: pairs_cpu)
+    monkeypatch.setattr(quantization, "bf16_amx_faster", lambda: amx)  # the kernel measured faster
     torch.manual_seed(0)
     lin = nn.Linear(128, 96, bias=True).to(torch.bfloat16)
     layer = Bf16WeightLinear(lin)
@@ -105,8 +108,9 @@ def test_bf16_weight_linear_from_a_bf16_linear_takes_the_pair_kernel_only_where_
         x = torch.randn(rows, 128)
         out = layer(x)
         assert out.dtype == torch.float32 and out.shape == (rows, 96)
-        if pairs_cpu:  # activations rounded to bf16, every row count
-            assert torch.equal(out, woq_cpu.bf16_pairs_linear(x, layer.weight_bf16, layer.bias))
+        if pairs_cpu:  # activations rounded to bf16, every row count through one kernel
+            kernel = amx_cpu.amx_bf16_linear if amx else woq_cpu.bf16_pairs_linear
+            assert torch.equal(out, kernel(x, layer.weight_bf16, layer.bias))
         else:  # float32 products, the kernel up to its row limit
             torch.testing.assert_close(out, F.linear(x, lin.weight.float(), layer.bias), rtol=1e-5, atol=1e-5)
 
@@ -230,3 +234,33 @@ def test_a_copied_bf16_weight_linear_multiplies_by_its_own_weight(dtype):
     assert torch.equal(layer(x), before)
     assert torch.equal(twin(x), 2 * before)  # times 2 is exact in bf16 and in the float32 sums
     assert not torch.equal(twin(x), before)
+
+
+def test_pick_row_kernel_takes_the_fastest_verification_among_kernels_near_the_fastest_decode():
+    pick = quantization.pick_row_kernel
+    rows = quantization.VERIFY_ROWS
+    # AMX 5% slower at one row, 1.5x faster at a verification: within the 10% tolerance, taken
+    assert pick({"avx512_bf16": {1: 1.00, rows: 1.50}, "amx": {1: 1.05, rows: 1.02}}) == "amx"
+    # 20% slower at one row: plain decoding would pay for it, not taken however fast it verifies
+    assert pick({"avx512_bf16": {1: 1.00, rows: 1.50}, "amx": {1: 1.20, rows: 1.02}}) == "avx512_bf16"
+    # both near at one row: the faster verification wins, whichever is first
+    assert pick({"amx": {1: 1.00, rows: 1.60}, "avx512_bf16": {1: 1.02, rows: 1.40}}) == "avx512_bf16"
+
+
+def test_bf16_amx_is_never_chosen_where_the_amx_kernel_cannot_run(monkeypatch):
+    monkeypatch.setattr(amx_cpu, "available", lambda: False)
+    quantization.bf16_amx_times.cache_clear()
+    quantization.bf16_amx_faster.cache_clear()
+    try:
+        assert quantization.bf16_amx_times() is None and not quantization.bf16_amx_faster()
+    finally:
+        quantization.bf16_amx_times.cache_clear()
+        quantization.bf16_amx_faster.cache_clear()
+
+
+@pytest.mark.skipif(not (amx_cpu.available() and woq_cpu.bf16_pairs_available()), reason="no AMX here")
+def test_bf16_amx_choice_is_measured_from_both_kernels_timings():
+    times = quantization.bf16_amx_times()
+    assert set(times) == {"avx512_bf16", "amx"}
+    assert all(t[1] > 0 and t[quantization.VERIFY_ROWS] > 0 for t in times.values())
+    assert quantization.bf16_amx_faster() == (quantization.pick_row_kernel(times) == "amx")
