@@ -54,6 +54,30 @@ def available() -> bool:
     return extension() is not None
 
 
+# the int8-activation kernel (csrc/woq_a8.cpp) built with its AMX path: a8_linear_amx
+A8_NEEDS = NEEDS + ("avx512_vnni", "amx_int8")
+A8_FLAGS = FLAGS + ("-mavx512vnni", "-mamx-int8")
+
+
+def cpu_has_amx_int8(flags: frozenset[str] | None = None) -> bool:
+    """Whether a CPU with these /proc/cpuinfo flags (default: this one's) runs the AMX int8 path."""
+    return set(A8_NEEDS) <= (cpp_build.cpu_flags() if flags is None else flags)
+
+
+@functools.lru_cache(maxsize=1)
+def extension_a8():
+    """``torch.ops.specdec_woq_a8_amx`` (``a8_linear`` and ``a8_linear_amx``, equal bit for bit) once built,
+    where the CPU has amx_int8 and the OS granted AMX state; else None."""
+    from specdec.kernels import woq_cpu
+
+    if not (cpu_has_amx_int8() and available() and woq_cpu.extension_a8() is not None):
+        return None
+    return cpp_build.load_ops("specdec_woq_a8_amx", "woq_a8.cpp", "specdec_woq_a8_amx",
+                              ["-O3", *A8_FLAGS, "-DSPECDEC_LIB=specdec_woq_a8_amx"], needs=A8_NEEDS,
+                              what="the AMX int8-activation kernel",
+                              fallback="int8 activations use the AVX-512 VNNI kernel", disable_env=DISABLE_ENV)
+
+
 def amx_bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for W in pair layout (``woq_cpu.pack_bf16_pairs``): x rounded to bf16, products
     summed in float32 AMX tiles, result in x's dtype; row i of an M-row call equals the one-row call bit

@@ -35,6 +35,7 @@
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from typing import Callable, NamedTuple
 
@@ -214,20 +215,23 @@ def pick_row_kernel(seconds: dict[str, dict[int, float]], tolerance: float = 0.1
 
 def time_row_kernels(calls: dict[str, Callable[[int, torch.Tensor], object]], k: int,
                      rows: tuple[int, ...] = (1, VERIFY_ROWS), passes: int = 5, calls_per_pass: int = 8,
-                     copies: int = 4) -> dict[str, dict[int, float]]:
+                     copies: int = 4, dtype: torch.dtype = torch.bfloat16) -> dict[str, dict[int, float]]:
     """Seconds per call of each ``calls[name](copy index, x)`` at each row count: the kernels alternate
     over ``passes`` passes of ``calls_per_pass`` calls that walk ``copies`` weights (so no weight stays in
-    cache), best pass each (on a shared machine the best pass is the one a neighbour disturbed least)."""
-    xs = {m: torch.randn(m, k).to(torch.bfloat16) for m in rows}
-    best = {name: dict.fromkeys(rows, float("inf")) for name in calls}
+    cache), each call timed alone, the median call kept (on a shared machine a call a neighbour's
+    process preempted is an outlier, not the kernel's cost)."""
+    xs = {m: torch.randn(m, k).to(dtype) for m in rows}
+    samples = {name: {m: [] for m in rows} for name in calls}
+    turn = 0
     for _ in range(passes):
         for m in rows:
             for name, call in calls.items():
-                start = time.perf_counter()
-                for i in range(calls_per_pass):
-                    call(i % copies, xs[m])
-                best[name][m] = min(best[name][m], (time.perf_counter() - start) / calls_per_pass)
-    return best
+                for _ in range(calls_per_pass):
+                    start = time.perf_counter()
+                    call(turn % copies, xs[m])
+                    samples[name][m].append(time.perf_counter() - start)
+                    turn += 1
+    return {name: {m: statistics.median(t) for m, t in per_rows.items()} for name, per_rows in samples.items()}
 
 
 @functools.lru_cache(maxsize=1)
@@ -249,6 +253,52 @@ def bf16_amx_faster() -> bool:
     never assumed from the CPU flags. ``SPECDEC_DISABLE_AMX=1`` turns it off."""
     times = bf16_amx_times()
     return times is not None and pick_row_kernel(times) == "amx"
+
+
+A8_AMX_ROWS = (1, 2, 4, 8, 16)  # row counts at which the int8-activation kernels are compared
+
+
+def min_rows_faster(seconds: dict[str, dict[int, float]], fast: str, slow: str) -> int | None:
+    """The smallest measured row count from which ``fast`` beats ``slow`` at every larger measured row
+    count too (a threshold, so a noisy middle point cannot interleave the two); None if it never does."""
+    rows = sorted(seconds[fast])
+    threshold = None
+    for m in reversed(rows):
+        if seconds[fast][m] >= seconds[slow][m]:
+            break
+        threshold = m
+    return threshold
+
+
+@functools.lru_cache(maxsize=None)
+def a8_amx_times(int4: bool) -> dict[str, dict[int, float]] | None:
+    """Seconds per call of the int8-activation kernel's VNNI and AMX paths (``amx_cpu.extension_a8``) on a
+    [4096, 2048] int4 (group 128) or int8 (per channel) weight, 4 copies, at ``A8_AMX_ROWS`` rows; None
+    where the AMX path cannot run here."""
+    from specdec.kernels.woq_format import quantize_int4, quantize_int8
+
+    ops = amx_cpu.extension_a8()
+    if ops is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(4096, 2048, generator=gen) * 0.02
+    one = woq_cpu.a8_kernel_args(woq_cpu.A8Weight.prepare(quantize_int4(w, INT4_GROUP_SIZE) if int4
+                                                          else quantize_int8(w)))
+    copies = 16 if int4 else 8  # 64 MB in all
+    args = [tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in one) for _ in range(copies)]
+    return time_row_kernels({"vnni": lambda i, x: ops.a8_linear(x, *args[i], None),
+                             "amx": lambda i, x: ops.a8_linear_amx(x, *args[i], None)}, 2048, A8_AMX_ROWS,
+                            copies=copies, dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def a8_amx_min_rows(int4: bool) -> int | None:
+    """From how many rows a w4a8 (``int4``) or w8a8 linear runs the AMX path of the int8-activation kernel:
+    measured here (``a8_amx_times``, ``min_rows_faster``); None: never (no AMX, or slower at every row
+    count). Both paths give the same result bit for bit, so the switch by row count keeps every row's
+    result independent of the call's rows."""
+    times = a8_amx_times(int4)
+    return None if times is None else min_rows_faster(times, "amx", "vnni")
 
 
 class WeightOnlyLinear(nn.Module):
@@ -312,7 +362,12 @@ class WeightOnlyLinear(nn.Module):
         if ops is None:
             return lambda x: woq_cpu.linear_a8(x, weight, bias)  # the reference off CPU
         op, args = ops.a8_linear.default, woq_cpu.a8_kernel_args(weight)
-        return lambda x: op(x, *args, bias)
+        amx_rows = a8_amx_min_rows(self.int4)
+        if amx_rows is None:
+            return lambda x: op(x, *args, bias)
+        # the AMX path from the measured row count on: the same values bit for bit, fewer cycles per row
+        amx_op, amx_inputs = amx_cpu.extension_a8().a8_linear_amx.default, amx_rows * self.in_features
+        return lambda x: (amx_op if x.numel() >= amx_inputs else op)(x, *args, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:

@@ -69,3 +69,40 @@ def test_amx_bf16_without_the_kernel_gives_the_reference_values(monkeypatch):
     w, x = _case(32, 64, 3)
     out = amx_cpu.amx_bf16_linear(x, pack_bf16_pairs(w))
     torch.testing.assert_close(out, F.linear(x.to(torch.bfloat16).float(), w.float()), rtol=1e-6, atol=1e-6)
+
+
+def test_amx_int8_is_detected_from_the_tile_int8_and_vnni_flags():
+    base = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile", "amx_bf16"})
+    assert not amx_cpu.cpu_has_amx_int8(base)
+    assert not amx_cpu.cpu_has_amx_int8(base | {"amx_int8"})
+    assert amx_cpu.cpu_has_amx_int8(base | {"amx_int8", "avx512_vnni"})
+
+
+needs_amx_a8 = pytest.mark.skipif(amx_cpu.extension_a8() is None, reason="no AMX int8 on this CPU")
+
+
+@needs_amx_a8
+@pytest.mark.parametrize("fmt", ["int4-g128", "int4-g32", "int8-channel", "int8-g16", "int4-g32-two-level"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 21])
+def test_amx_int8_path_equals_the_vnni_kernel_bitwise(fmt, rows):
+    """Exact: the integer sums are exact in both paths and the float scaling is the same instructions
+    in the same order, which is what lets a layer switch paths by row count and stay row-consistent."""
+    from specdec.kernels import woq_cpu
+    from specdec.kernels.woq_format import quantize_int4, quantize_int8
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(80, 256, generator=g) * 0.05
+    w[:, :3] *= 20
+    if fmt == "int4-g32-two-level":  # GGUF Q4_K-like scales: int8 codes times a factor per 256 inputs
+        q = quantize_int4(w, 32)
+        factor = q.scales.reshape(80, -1, 8).amax(-1, keepdim=True) / 63
+        q.scales = ((q.scales.reshape(80, -1, 8) / factor).round().clamp(1, 63) * factor).reshape(80, -1)
+    else:
+        q = {"int4-g128": lambda: quantize_int4(w, 128), "int4-g32": lambda: quantize_int4(w, 32),
+             "int8-channel": lambda: quantize_int8(w), "int8-g16": lambda: quantize_int8(w, 16)}[fmt]()
+    args = woq_cpu.a8_kernel_args(woq_cpu.A8Weight.prepare(q))
+    x = torch.randn(rows, 256, generator=g) * 3
+    bias = torch.randn(80, generator=g)
+    ops = amx_cpu.extension_a8()
+    assert torch.equal(ops.a8_linear_amx(x, *args, bias), ops.a8_linear(x, *args, bias))
+    assert torch.equal(ops.a8_linear_amx(x, *args, bias), woq_cpu.linear_a8(x, woq_cpu.A8Weight.prepare(q), bias))

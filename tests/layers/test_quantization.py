@@ -264,3 +264,30 @@ def test_bf16_amx_choice_is_measured_from_both_kernels_timings():
     assert set(times) == {"avx512_bf16", "amx"}
     assert all(t[1] > 0 and t[quantization.VERIFY_ROWS] > 0 for t in times.values())
     assert quantization.bf16_amx_faster() == (quantization.pick_row_kernel(times) == "amx")
+
+
+def test_min_rows_faster_is_a_threshold_above_which_the_fast_kernel_always_wins():
+    pick = quantization.min_rows_faster
+    t = {"vnni": {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.4, 16: 2.8}, "amx": {1: 1.6, 2: 1.6, 4: 1.6, 8: 1.7, 16: 1.8}}
+    assert pick(t, "amx", "vnni") == 16
+    t["amx"][8] = 1.3
+    assert pick(t, "amx", "vnni") == 8
+    t["amx"][2] = 0.9  # a lone faster point below a slower one is noise, not a threshold
+    assert pick(t, "amx", "vnni") == 8
+    t["amx"][16] = 3.0  # slower at the most rows: never
+    assert pick(t, "amx", "vnni") is None
+
+
+@pytest.mark.parametrize("amx_rows", [None, 4])
+def test_an_int8_activation_layer_switches_to_amx_at_the_measured_row_count_with_equal_rows(monkeypatch, amx_rows):
+    if amx_rows is not None and amx_cpu.extension_a8() is None:
+        pytest.skip("no AMX int8 here")
+    if woq_cpu.extension_a8() is None:
+        pytest.skip("no int8-activation kernel here")
+    monkeypatch.setattr(quantization, "a8_amx_min_rows", lambda int4: amx_rows)
+    torch.manual_seed(0)
+    layer = W4A8Linear(nn.Linear(128, 48, bias=True))
+    x = torch.randn(9, 128)
+    whole = layer(x)
+    for i in range(9):  # each row as its own one-row call (the VNNI path when amx_rows is set)
+        assert torch.equal(whole[i:i + 1], layer(x[i:i + 1]))
