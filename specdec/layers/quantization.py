@@ -35,7 +35,6 @@
 from __future__ import annotations
 
 import functools
-import statistics
 import time
 from typing import Callable, NamedTuple
 
@@ -51,6 +50,7 @@ from specdec.kernels.woq_format import (
     quantize_int8,
     supports_a8,
 )
+from specdec.layers import cpu_kernel_choice
 from specdec.layers.fp8 import Fp8Linear
 
 INT4_GROUP_SIZE = 128  # inputs per int4 scale / offset: 4.5 bits per weight with float32 scales
@@ -140,7 +140,7 @@ class Bf16WeightLinear(nn.Module):
         if ops is None:
             return _Bf16Plan(None, 0)
         if self.pairs:
-            amx = amx_cpu.extension() if bf16_amx_faster() else None
+            amx = amx_cpu.extension() if cpu_kernel_choice.bf16_amx_faster() else None
             op = amx.amx_bf16_linear.default if amx is not None else ops.bf16_pairs_linear.default
             return _Bf16Plan(lambda x: op(x, weight, bias), None)  # noqa: E731
         op = ops.bf16_linear.default
@@ -157,7 +157,7 @@ class Bf16WeightLinear(nn.Module):
         return woq_cpu.bf16_linear(x, self.weight_bf16, self.bias)  # past the kernel's rows: float32 GEMM
 
     def extra_repr(self) -> str:
-        layout = (", pair layout, AMX" if bf16_amx_faster() else ", pair layout") if self.pairs else ""
+        layout = (", pair layout, AMX" if cpu_kernel_choice.bf16_amx_faster() else ", pair layout") if self.pairs else ""
         return f"bf16 weight{layout}, in={self.in_features}, out={self.out_features}"
 
 
@@ -197,108 +197,6 @@ def bf16_kernel_faster() -> bool:
                 call(i % 4)
             best[name] = min(best[name], time.perf_counter() - start)
     return best["kernel"] < 1.1 * best["onednn"]
-
-
-VERIFY_ROWS = 8  # the row count that stands for a verification step (K = 7 drafts) when kernels are compared
-
-
-def pick_row_kernel(seconds: dict[str, dict[int, float]], tolerance: float = 0.1) -> str:
-    """The kernel to run at every row count, from measured seconds per call ``{kernel: {rows: s}}`` (rows
-    1 and ``VERIFY_ROWS``): the fastest at ``VERIFY_ROWS`` rows among those within ``tolerance`` of the
-    fastest one-row time. One kernel for all row counts keeps a row's result independent of the call's
-    row count (kernels sum in different orders); a plain decode step costs at most ``tolerance`` more so
-    that a verification costs what the best kernel charges for it."""
-    best_one = min(t[1] for t in seconds.values())
-    near = {name: t for name, t in seconds.items() if t[1] <= (1 + tolerance) * best_one}
-    return min(near, key=lambda name: near[name][VERIFY_ROWS])
-
-
-def time_row_kernels(calls: dict[str, Callable[[int, torch.Tensor], object]], k: int,
-                     rows: tuple[int, ...] = (1, VERIFY_ROWS), passes: int = 5, calls_per_pass: int = 8,
-                     copies: int = 4, dtype: torch.dtype = torch.bfloat16) -> dict[str, dict[int, float]]:
-    """Seconds per call of each ``calls[name](copy index, x)`` at each row count: the kernels alternate
-    over ``passes`` passes of ``calls_per_pass`` calls that walk ``copies`` weights (so no weight stays in
-    cache), each call timed alone, the median call kept (on a shared machine a call a neighbour's
-    process preempted is an outlier, not the kernel's cost)."""
-    xs = {m: torch.randn(m, k).to(dtype) for m in rows}
-    samples = {name: {m: [] for m in rows} for name in calls}
-    turn = 0
-    for _ in range(passes):
-        for m in rows:
-            for name, call in calls.items():
-                for _ in range(calls_per_pass):
-                    start = time.perf_counter()
-                    call(turn % copies, xs[m])
-                    samples[name][m].append(time.perf_counter() - start)
-                    turn += 1
-    return {name: {m: statistics.median(t) for m, t in per_rows.items()} for name, per_rows in samples.items()}
-
-
-@functools.lru_cache(maxsize=1)
-def bf16_amx_times() -> dict[str, dict[int, float]] | None:
-    """Seconds per call of the AVX-512 pair kernel and the AMX kernel on a bf16 [4096, 2048] weight in pair
-    layout (4 copies, 64 MB), at 1 and ``VERIFY_ROWS`` rows; None where either cannot run here."""
-    if not (amx_cpu.available() and woq_cpu.bf16_pairs_available()):
-        return None
-    weights = [woq_cpu.pack_bf16_pairs(torch.full((4096, 2048), 0.01, dtype=torch.bfloat16)) for _ in range(4)]
-    ops, amx = woq_cpu.extension(), amx_cpu.extension()
-    return time_row_kernels({"avx512_bf16": lambda i, x: ops.bf16_pairs_linear(x, weights[i], None),
-                             "amx": lambda i, x: amx.amx_bf16_linear(x, weights[i], None)}, 2048)
-
-
-@functools.lru_cache(maxsize=1)
-def bf16_amx_faster() -> bool:
-    """Whether ``Bf16WeightLinear`` runs the AMX kernel (``amx_cpu.amx_bf16_linear``) on its pair-layout
-    weight instead of the AVX-512 pair kernel: measured here (``bf16_amx_times``, ``pick_row_kernel``),
-    never assumed from the CPU flags. ``SPECDEC_DISABLE_AMX=1`` turns it off."""
-    times = bf16_amx_times()
-    return times is not None and pick_row_kernel(times) == "amx"
-
-
-A8_AMX_ROWS = (1, 2, 4, 8, 16)  # row counts at which the int8-activation kernels are compared
-
-
-def min_rows_faster(seconds: dict[str, dict[int, float]], fast: str, slow: str) -> int | None:
-    """The smallest measured row count from which ``fast`` beats ``slow`` at every larger measured row
-    count too (a threshold, so a noisy middle point cannot interleave the two); None if it never does."""
-    rows = sorted(seconds[fast])
-    threshold = None
-    for m in reversed(rows):
-        if seconds[fast][m] >= seconds[slow][m]:
-            break
-        threshold = m
-    return threshold
-
-
-@functools.lru_cache(maxsize=None)
-def a8_amx_times(int4: bool) -> dict[str, dict[int, float]] | None:
-    """Seconds per call of the int8-activation kernel's VNNI and AMX paths (``amx_cpu.extension_a8``) on a
-    [4096, 2048] int4 (group 128) or int8 (per channel) weight, 4 copies, at ``A8_AMX_ROWS`` rows; None
-    where the AMX path cannot run here."""
-    from specdec.kernels.woq_format import quantize_int4, quantize_int8
-
-    ops = amx_cpu.extension_a8()
-    if ops is None:
-        return None
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(4096, 2048, generator=gen) * 0.02
-    one = woq_cpu.a8_kernel_args(woq_cpu.A8Weight.prepare(quantize_int4(w, INT4_GROUP_SIZE) if int4
-                                                          else quantize_int8(w)))
-    copies = 16 if int4 else 8  # 64 MB in all
-    args = [tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in one) for _ in range(copies)]
-    return time_row_kernels({"vnni": lambda i, x: ops.a8_linear(x, *args[i], None),
-                             "amx": lambda i, x: ops.a8_linear_amx(x, *args[i], None)}, 2048, A8_AMX_ROWS,
-                            copies=copies, dtype=torch.float32)
-
-
-@functools.lru_cache(maxsize=None)
-def a8_amx_min_rows(int4: bool) -> int | None:
-    """From how many rows a w4a8 (``int4``) or w8a8 linear runs the AMX path of the int8-activation kernel:
-    measured here (``a8_amx_times``, ``min_rows_faster``); None: never (no AMX, or slower at every row
-    count). Both paths give the same result bit for bit, so the switch by row count keeps every row's
-    result independent of the call's rows."""
-    times = a8_amx_times(int4)
-    return None if times is None else min_rows_faster(times, "amx", "vnni")
 
 
 class WeightOnlyLinear(nn.Module):
@@ -362,7 +260,7 @@ class WeightOnlyLinear(nn.Module):
         if ops is None:
             return lambda x: woq_cpu.linear_a8(x, weight, bias)  # the reference off CPU
         op, args = ops.a8_linear.default, woq_cpu.a8_kernel_args(weight)
-        amx_rows = a8_amx_min_rows(self.int4)
+        amx_rows = cpu_kernel_choice.a8_amx_min_rows(self.int4)
         if amx_rows is None:
             return lambda x: op(x, *args, bias)
         # the AMX path from the measured row count on: the same values bit for bit, fewer cycles per row

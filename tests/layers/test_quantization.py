@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.kernels import amx_cpu, woq_cpu
-from specdec.layers import quantization
+from specdec.layers import cpu_kernel_choice, quantization
 from specdec.layers.norm import RMSNorm
 from specdec.kernels.woq_format import quantize_int4, quantize_int8, reference_linear, reference_linear_a8
 from specdec.layers.quantization import (
@@ -97,7 +97,7 @@ def test_bf16_weight_linear_from_a_bf16_linear_takes_the_pair_kernel_only_where_
     if amx and not amx_cpu.available():
         pytest.skip("no AMX here")
     monkeypatch.setattr(woq_cpu, "bf16_pairs_available", lambda: pairs_cpu)
-    monkeypatch.setattr(quantization, "bf16_amx_faster", lambda: amx)  # the kernel measured faster
+    monkeypatch.setattr(cpu_kernel_choice, "bf16_amx_faster", lambda: amx)  # the kernel measured faster
     torch.manual_seed(0)
     lin = nn.Linear(128, 96, bias=True).to(torch.bfloat16)
     layer = Bf16WeightLinear(lin)
@@ -236,55 +236,13 @@ def test_a_copied_bf16_weight_linear_multiplies_by_its_own_weight(dtype):
     assert not torch.equal(twin(x), before)
 
 
-def test_pick_row_kernel_takes_the_fastest_verification_among_kernels_near_the_fastest_decode():
-    pick = quantization.pick_row_kernel
-    rows = quantization.VERIFY_ROWS
-    # AMX 5% slower at one row, 1.5x faster at a verification: within the 10% tolerance, taken
-    assert pick({"avx512_bf16": {1: 1.00, rows: 1.50}, "amx": {1: 1.05, rows: 1.02}}) == "amx"
-    # 20% slower at one row: plain decoding would pay for it, not taken however fast it verifies
-    assert pick({"avx512_bf16": {1: 1.00, rows: 1.50}, "amx": {1: 1.20, rows: 1.02}}) == "avx512_bf16"
-    # both near at one row: the faster verification wins, whichever is first
-    assert pick({"amx": {1: 1.00, rows: 1.60}, "avx512_bf16": {1: 1.02, rows: 1.40}}) == "avx512_bf16"
-
-
-def test_bf16_amx_is_never_chosen_where_the_amx_kernel_cannot_run(monkeypatch):
-    monkeypatch.setattr(amx_cpu, "available", lambda: False)
-    quantization.bf16_amx_times.cache_clear()
-    quantization.bf16_amx_faster.cache_clear()
-    try:
-        assert quantization.bf16_amx_times() is None and not quantization.bf16_amx_faster()
-    finally:
-        quantization.bf16_amx_times.cache_clear()
-        quantization.bf16_amx_faster.cache_clear()
-
-
-@pytest.mark.skipif(not (amx_cpu.available() and woq_cpu.bf16_pairs_available()), reason="no AMX here")
-def test_bf16_amx_choice_is_measured_from_both_kernels_timings():
-    times = quantization.bf16_amx_times()
-    assert set(times) == {"avx512_bf16", "amx"}
-    assert all(t[1] > 0 and t[quantization.VERIFY_ROWS] > 0 for t in times.values())
-    assert quantization.bf16_amx_faster() == (quantization.pick_row_kernel(times) == "amx")
-
-
-def test_min_rows_faster_is_a_threshold_above_which_the_fast_kernel_always_wins():
-    pick = quantization.min_rows_faster
-    t = {"vnni": {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.4, 16: 2.8}, "amx": {1: 1.6, 2: 1.6, 4: 1.6, 8: 1.7, 16: 1.8}}
-    assert pick(t, "amx", "vnni") == 16
-    t["amx"][8] = 1.3
-    assert pick(t, "amx", "vnni") == 8
-    t["amx"][2] = 0.9  # a lone faster point below a slower one is noise, not a threshold
-    assert pick(t, "amx", "vnni") == 8
-    t["amx"][16] = 3.0  # slower at the most rows: never
-    assert pick(t, "amx", "vnni") is None
-
-
 @pytest.mark.parametrize("amx_rows", [None, 4])
 def test_an_int8_activation_layer_switches_to_amx_at_the_measured_row_count_with_equal_rows(monkeypatch, amx_rows):
     if amx_rows is not None and amx_cpu.extension_a8() is None:
         pytest.skip("no AMX int8 here")
     if woq_cpu.extension_a8() is None:
         pytest.skip("no int8-activation kernel here")
-    monkeypatch.setattr(quantization, "a8_amx_min_rows", lambda int4: amx_rows)
+    monkeypatch.setattr(cpu_kernel_choice, "a8_amx_min_rows", lambda int4: amx_rows)
     torch.manual_seed(0)
     layer = W4A8Linear(nn.Linear(128, 48, bias=True))
     x = torch.randn(9, 128)

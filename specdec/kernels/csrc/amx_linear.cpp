@@ -55,27 +55,50 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// tile 0: C (rows x 16 float32), tile 1: A (rows x 32 bf16), tile 2: B (16 pairs x 16 outputs)
+// tiles 0, 1: C of two blocks (rows x 16 float32), 2: A (rows x 32 bf16), 3, 4: B of the two blocks
+// (16 pairs x 16 outputs). Two blocks share each A load and keep two product chains in flight (tile
+// registers are not renamed: one block's products would wait on each other).
 void configure_bf16(int rows) {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
-  cfg.rows[0] = cfg.rows[1] = static_cast<uint8_t>(rows);
-  cfg.colsb[0] = cfg.colsb[1] = 64;
-  cfg.rows[2] = 16;
-  cfg.colsb[2] = 64;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = static_cast<uint8_t>(rows);
+  cfg.rows[3] = cfg.rows[4] = 16;
+  for (int t = 0; t < 5; ++t) cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
 }
 
-// y[m0 .. m0 + rows, 16 outputs of block v] for x rows (bf16, row stride K), the block's weights at w
+inline void prefetch_chunk(const uint16_t* w) {
+  const char* next = reinterpret_cast<const char*>(w) + specdec_cpu_common::kStreamAhead;
+  for (int line = 0; line < 16; ++line) _mm_prefetch(next + 64 * line, _MM_HINT_T1);
+}
+
+// y[rows, 16 outputs of each of two blocks] for x rows (bf16, row stride K), the blocks' weights at w0, w1
+inline void bf16_two_blocks(const uint16_t* x, const uint16_t* w0, const uint16_t* w1, int64_t K, float* y0,
+                            float* y1, int64_t ldy) {
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    prefetch_chunk(w0 + k0 * 16);
+    prefetch_chunk(w1 + k0 * 16);
+    _tile_loadd(2, x + k0, K * 2);
+    _tile_loadd(3, w0 + k0 * 16, 64);
+    _tile_loadd(4, w1 + k0 * 16, 64);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  }
+  _tile_stored(0, y0, ldy * 4);
+  _tile_stored(1, y1, ldy * 4);
+}
+
+// one block: its C chain alone (the odd block of an odd count)
 inline void bf16_block(const uint16_t* x, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
   _tile_zero(0);
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    const char* next = reinterpret_cast<const char*>(w + k0 * 16) + specdec_cpu_common::kStreamAhead;
-    for (int line = 0; line < 16; ++line) _mm_prefetch(next + 64 * line, _MM_HINT_T1);
-    _tile_loadd(1, x + k0, K * 2);
-    _tile_loadd(2, w + k0 * 16, 64);
-    _tile_dpbf16ps(0, 1, 2);
+    prefetch_chunk(w + k0 * 16);
+    _tile_loadd(2, x + k0, K * 2);
+    _tile_loadd(3, w + k0 * 16, 64);
+    _tile_dpbf16ps(0, 2, 3);
   }
   _tile_stored(0, y, ldy * 4);
 }
@@ -113,11 +136,19 @@ at::Tensor amx_bf16_linear(const at::Tensor& x, const at::Tensor& weight, const 
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
+  const int64_t blocks = N / 16;
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     configure_bf16(static_cast<int>(rows));
-    for (int64_t v = begin; v < end; ++v)
-      for (int64_t m0 = 0; m0 < padded; m0 += rows)
-        bf16_block(xp + m0 * K, wp + v * 16 * K, K, yp + m0 * N + v * 16, N);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t v = 2 * pair;
+      for (int64_t m0 = 0; m0 < padded; m0 += rows) {
+        if (v + 1 < blocks)
+          bf16_two_blocks(xp + m0 * K, wp + v * 16 * K, wp + (v + 1) * 16 * K, K, yp + m0 * N + v * 16,
+                          yp + m0 * N + (v + 1) * 16, N);
+        else
+          bf16_block(xp + m0 * K, wp + v * 16 * K, K, yp + m0 * N + v * 16, N);
+      }
+    }
     _tile_release();
   });
   return finish(y, x, M, N, bias);
