@@ -46,3 +46,21 @@ def test_min_rows_faster_is_a_threshold_above_which_the_fast_kernel_always_wins(
     assert pick(t, "amx", "vnni") == 8
     t["amx"][16] = 3.0  # slower at the most rows: never
     assert pick(t, "amx", "vnni") is None
+
+
+@pytest.mark.skipif(woq_cpu.extension_a8() is None or not woq_cpu.bf16_pairs_available(),
+                    reason="needs the int8-activation kernel and avx512_bf16")
+def test_the_report_names_the_kernel_each_format_runs_from_the_measured_choices(monkeypatch):
+    from specdec.layers import quantization
+
+    monkeypatch.setattr(cpu_kernel_choice, "a8_amx_min_rows", lambda int4: 16 if int4 else None)
+    monkeypatch.setattr(cpu_kernel_choice, "bf16_amx_faster", lambda: True)
+    monkeypatch.setattr(quantization, "bf16_kernel_faster", lambda: True)
+    choices = cpu_kernel_choice.cpu_kernel_choices()
+    assert choices["w4a8"].endswith("AMX tiles from 16 rows") and "AMX tiles from" not in choices["w8a8"]
+    assert choices['dtype="bfloat16"'] == "bfloat16 model: AMX tiles (pair layout)"
+    assert choices['dtype="auto", no quantization'] == "bf16 weights, float32 activations: AMX tiles (pair layout)"
+    monkeypatch.setattr(cpu_kernel_choice, "bf16_amx_faster", lambda: False)
+    monkeypatch.setattr(quantization, "bf16_kernel_faster", lambda: False)
+    choices = cpu_kernel_choice.cpu_kernel_choices()
+    assert choices['dtype="bfloat16"'].startswith("bfloat16 model: oneDNN packed")
