@@ -82,13 +82,14 @@ def bf16_amx_faster() -> bool:
 A8_AMX_ROWS = (1, 2, 4, 8, 16)  # row counts at which the int8-activation kernels are compared
 
 
-def min_rows_faster(seconds: dict[str, dict[int, float]], fast: str, slow: str) -> int | None:
-    """The smallest measured row count from which ``fast`` beats ``slow`` at every larger measured row
-    count too (a threshold, so a noisy middle point cannot interleave the two); None if it never does."""
+def min_rows_faster(seconds: dict[str, dict[int, float]], fast: str, slow: str, margin: float = 0.05) -> int | None:
+    """The smallest measured row count from which ``fast`` beats ``slow`` by more than ``margin`` at every
+    larger measured row count too (a threshold, so a noisy middle point cannot interleave the two, and a
+    near-tie keeps ``slow``); None if it never does."""
     rows = sorted(seconds[fast])
     threshold = None
     for m in reversed(rows):
-        if seconds[fast][m] >= seconds[slow][m]:
+        if seconds[fast][m] >= (1 - margin) * seconds[slow][m]:
             break
         threshold = m
     return threshold
