@@ -96,7 +96,8 @@ def main() -> None:
     print(cpu_header(SimpleNamespace(device="cpu")), flush=True)
     results = {}
     for fmt in args.formats.split(","):
-        built = {name: (*build(make, amx, rows, dtype), dtype) for name, (make, amx, rows, dtype) in variants()[fmt].items()}
+        built = {name: (*build(make, amx, rows, dtype), dtype)
+                 for name, (make, amx, rows, dtype) in variants()[fmt].items()}
         samples = {name: {m: [] for m in ROWS} for name in built}
         bandwidths = []
         for _ in range(args.passes):

@@ -53,7 +53,8 @@ def measure(args) -> dict:
         engines.append({"dtype": d, "engine_dtype": str(llm.engine.dtype).removeprefix("torch."),
                         "decode_tokens_per_s": median(rates[d]), "decode_tokens_per_s_per_iter": rates[d],
                         "bandwidth_gb_per_s_per_iter": [b / 1e9 for b in bandwidths[d]],
-                        "roofline": roof.as_dict(), "roofline_fraction": paired_fraction(rates[d], bandwidths[d], roof)})
+                        "roofline": roof.as_dict(),
+                        "roofline_fraction": paired_fraction(rates[d], bandwidths[d], roof)})
     result.update(config={"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
                           "num_iters": args.num_iters, "prompts": args.prompts}, engines=engines)
     return result

@@ -157,7 +157,8 @@ class Bf16WeightLinear(nn.Module):
         return woq_cpu.bf16_linear(x, self.weight_bf16, self.bias)  # past the kernel's rows: float32 GEMM
 
     def extra_repr(self) -> str:
-        layout = (", pair layout, AMX" if cpu_kernel_choice.bf16_amx_faster() else ", pair layout") if self.pairs else ""
+        amx = ", AMX" if self.pairs and cpu_kernel_choice.bf16_amx_faster() else ""
+        layout = f", pair layout{amx}" if self.pairs else ""
         return f"bf16 weight{layout}, in={self.in_features}, out={self.out_features}"
 
 

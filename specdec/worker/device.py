@@ -64,7 +64,8 @@ def cpu_info(cpuinfo: str = "/proc/cpuinfo") -> dict:
 def describe_cpu(info: dict) -> str:
     """One line: vendor, family / model, name, ISA features (``cpu_info``'s fields)."""
     isa = " ".join(info["isa"]) or "none of the kernels' sets"
-    return f"{info['vendor'] or '?'} family {info['family']} model {info['model']} ({info['model_name'] or '?'}); ISA: {isa}"
+    name = f"{info['vendor'] or '?'} family {info['family']} model {info['model']} ({info['model_name'] or '?'})"
+    return f"{name}; ISA: {isa}"
 
 
 @functools.cache
