@@ -9,7 +9,8 @@
   A bf16 model (or one widened to float32 around its linears) takes it instead of ``PackedLinear``
   where it streams a weight at one row about as fast or faster (``bf16_kernel_faster``: timed once
   per process on rotating copies of one weight); with avx512_bf16 it then runs bf16 dot products on
-  a weight kept in pair layout (``woq_cpu.bf16_pairs_linear``).
+  a weight kept in pair layout (``woq_cpu.bf16_pairs_linear``), or AMX tiles on the same layout where
+  they are measured faster (``cpu_kernel_choice.bf16_amx_faster``: up to 16 rows per pass over the weight).
 - ``WeightOnlyLinear`` (``"int8"``: symmetric per output channel; ``"int4"``: scale and
   offset per group of 128 inputs, LM head at int8): the weight stays quantized in memory, so a
   memory-bound step reads about a quarter (int8) or an eighth (int4) of float32's bytes; the CPU
@@ -23,7 +24,9 @@
   depends on that row alone, bit for bit, and the rest of the forward computes a row the same
   way in a one-row decode and in a K+1-row verification (``tests/models/test_row_consistency.py``),
   so the int8 step function sees the same input in both and speculation stays lossless. A layer
-  whose shape the format does not take (in_features not a multiple of 64) stays weight-only.
+  whose shape the format does not take (in_features not a multiple of 64) stays weight-only. On AMX
+  CPUs the kernel's AMX path (the same values bit for bit) runs from the row count measured faster
+  (``cpu_kernel_choice.a8_amx_min_rows``).
 - ``DynamicInt8Linear`` (``"int8_dynamic"``): int8 weights (per-channel) and per-call int8
   activations through PyTorch's fbgemm dynamic-quantized linear; 2-3x faster than packed bf16
   at 1-6 rows on the development CPU. Activation quantization changes numerics more than
