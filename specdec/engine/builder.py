@@ -7,6 +7,7 @@ from typing import Any
 
 from specdec.config import EngineConfig
 from specdec.models.loader import load_config, resolve_model_path
+from specdec.spec_decode.methods import method_of
 
 MAX_DEFAULT_MODEL_LEN = 8192
 
@@ -89,16 +90,14 @@ def resolve_model_info(cfg: EngineConfig) -> ModelInfo:
     tokenizer = load_tokenizer(tokenizer_path(cfg, path))
     max_model_len = _max_model_len(config, cfg.max_model_len)
     spec = cfg.speculative_config
-    if spec is not None and spec.method == "draft_model":
-        draft_path = resolve_model_path(spec.model)
-        draft_cfg = load_config(draft_path)
-        check_vocab_compatible(tokenizer, config, load_tokenizer(draft_path), draft_cfg, draft_path)
-        draft_limit = getattr(draft_cfg, "max_position_embeddings", None) or max_model_len
-        if draft_limit < max_model_len:  # drafts stay below max_model_len (the scheduler caps K)
-            if cfg.max_model_len is not None:
-                raise ValueError(f"max_model_len {max_model_len} exceeds the draft model's limit of "
-                                 f"{draft_limit} positions")
-            max_model_len = draft_limit
+    # the method's draft, checked against the target before any weights load; drafts stay below
+    # max_model_len (the scheduler caps K)
+    draft_limit = method_of(spec).check_draft(spec, tokenizer, config) if spec is not None else None
+    if draft_limit is not None and draft_limit < max_model_len:
+        if cfg.max_model_len is not None:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the draft model's limit of "
+                             f"{draft_limit} positions")
+        max_model_len = draft_limit
     return ModelInfo(path, config, tokenizer, max_model_len, config.vocab_size, eos_ids(path, tokenizer, config),
                      generation_defaults(path))
 
