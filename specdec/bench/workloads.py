@@ -63,7 +63,8 @@ def open_prompts(n: int) -> list[list[dict]]:
 def run_config(llm, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[float, int, dict]:
     # the suffix store would otherwise hold this very output from the previous repetition
     # (and from the other copies of a prompt in "batch"): each run starts with an empty one
-    llm.engine.executor.control_proposer("reset_history")
+    if llm.engine.config.speculative_config is not None:
+        llm.engine.executor.control_proposer("reset_history")
     before = dict(llm.get_metrics())
     gc.collect()  # not the garbage of the previous configuration's run
     t = time.perf_counter()
