@@ -126,9 +126,9 @@ def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
 
     app.state.begin_drain = begin_drain
 
-    def error_response(e: APIError) -> Response:
+    def error_response(e: APIError, headers: dict | None = None) -> Response:
         metrics.request_rejected(e.status)
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        headers = {**(headers or {}), **({"WWW-Authenticate": "Bearer"} if e.status == 401 else {})}
         return StrictJSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(APIError)
@@ -141,7 +141,7 @@ def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        return error_response(APIError(e.status_code, str(e.detail)))
+        return error_response(APIError(e.status_code, str(e.detail)), e.headers)  # 405 keeps its Allow
 
     async def check_api_key(request: Request) -> None:
         """A dependency of every /v1 route (not middleware: BaseHTTPMiddleware would sit

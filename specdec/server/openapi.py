@@ -40,11 +40,12 @@ def error_responses(*statuses: int) -> dict:
 
 
 def generation_responses(body: type[BaseModel], chunk: type[BaseModel]) -> dict:
-    data = {"type": "string", "contentMediaType": "application/json",
-            "contentSchema": {"anyOf": [{"$ref": REF.format(model=chunk.__name__)},
-                                        {"$ref": REF.format(model=ErrorResponse.__name__)}]},
-            "description": f"a {chunk.__name__} or an in-band ErrorResponse as JSON; the last event's data "
-                           "is [DONE]"}
+    data = {"anyOf": [
+        {"type": "string", "contentMediaType": "application/json",
+         "contentSchema": {"anyOf": [{"$ref": REF.format(model=chunk.__name__)},
+                                     {"$ref": REF.format(model=ErrorResponse.__name__)}]}},
+        {"const": "[DONE]"}],
+        "description": f"a {chunk.__name__} or an in-band ErrorResponse as JSON; the last event's data is [DONE]"}
     sse = {"schema": {"type": "object", "properties": {"data": data, "event": {"type": "string"}},
                       "required": ["data"], "description": "one server-sent event (text/event-stream, OpenAPI "
                                                            "3.1: the schema describes each event)"}}

@@ -77,6 +77,8 @@ class Preparer:
                                     f"cannot be combined with {field}", param="tool_choice")
             constraint, field = tools.constraint, "tool_choice"
         params = req.to_sampling_params(constraint)
+        if params.max_tokens is None and self.limits.max_tokens:  # "up to the context" within the limit too
+            params.max_tokens = self.limits.max_tokens
         if constraint is not None:
             try:
                 self.compile_grammar(constraint)

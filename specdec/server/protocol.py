@@ -23,7 +23,7 @@ from specdec.sampling_params import (
 from specdec.structured_output import StructuredOutputsParams
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                408: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
                 499: "invalid_request_error", 503: "service_unavailable_error", 500: "internal_server_error"}
 # pydantic error types that mean "over a bound": with the bound's flag they are a limit_exceeded
 _BOUND_ERRORS = ("less_than", "less_than_equal", "greater_than", "greater_than_equal", "too_long", "too_short",
