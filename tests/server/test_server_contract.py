@@ -9,6 +9,7 @@ import json
 import pytest
 from conftest import INPROC_LIMITS
 
+from specdec.server.fuzz import check_answer, loads_strict
 from specdec.server.openapi import REF, model_schemas, request_bodies
 from specdec.server.response_models import (
     ChatCompletionChunk,
@@ -24,36 +25,9 @@ from specdec.server.response_models import (
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
-def loads_strict(text: str | bytes):
-    """RFC 8259 JSON only: NaN / Infinity / -Infinity are errors, as in JavaScript's JSON.parse."""
-    return json.loads(text, parse_constant=_reject_constant)
-
-
-def sse_events(text: str) -> list[dict]:
-    """Every event of a stream, strictly parsed; asserts it ends with [DONE] and nothing follows."""
-    data = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
-    assert data and data[-1] == "[DONE]", text[-300:]
-    return [loads_strict(d) for d in data[:-1]]
-
-
-def check_answer(r, body_model, chunk_model) -> list[dict]:
-    """Validate one answer (strict JSON, then its model); returns the body, or the stream's chunks."""
-    if r.status_code >= 400:
-        body = loads_strict(r.content)
-        ErrorResponse.model_validate(body)
-        return [body]
-    if r.headers["content-type"].startswith("text/event-stream"):
-        chunks = sse_events(r.text)
-        for c in chunks:
-            (ErrorResponse if "error" in c else chunk_model).model_validate(c)
-        return chunks
-    body = loads_strict(r.content)
-    body_model.model_validate(body)
-    return [body]
+def answer(path: str, r) -> list[dict]:
+    """The body or the stream's chunks, each checked: strict JSON, then its response model."""
+    return check_answer(path, r.status_code, r.headers.get("content-type", ""), r.content)
 
 
 def _resolve(doc: dict, schema: dict) -> dict:
@@ -123,9 +97,7 @@ def test_get_routes_answer_their_models(asgi_client):
 def test_masked_tokens_have_the_floor_logprob_and_answers_are_strict_json(asgi_client, path, body, stream):
     r = asgi_client.post(path, json={**body, "stream": stream})
     assert r.status_code == 200, r.text
-    models = (CompletionResponse, CompletionChunk) if path == "/v1/completions" else (ChatCompletionResponse,
-                                                                                      ChatCompletionChunk)
-    parsed = check_answer(r, *models)
+    parsed = answer(path, r)
     values = []
     for item in parsed:
         for choice in item["choices"]:
@@ -151,10 +123,10 @@ def test_every_error_is_openai_shaped_strict_json(asgi_client):
     for path, body, status, fragment in cases:
         r = asgi_client.post(path, json=body)
         assert r.status_code == status, (body, r.text)
-        err = check_answer(r, None, None)[0]["error"]
+        err = answer(path, r)[0]["error"]
         assert fragment in err["message"], (body, err)
     r = asgi_client.post("/v1/completions", data=b"x" * (INPROC_LIMITS["max_body_bytes"] + 1),
                          headers={"Content-Type": "application/json"})
     assert r.status_code == 413
-    check_answer(r, None, None)
+    answer("/v1/completions", r)
     assert asgi_client.post("/v1/completions", data=b"{}", headers={"Content-Type": "text/plain"}).status_code == 415
