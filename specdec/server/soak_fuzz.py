@@ -5,7 +5,8 @@ for ``--minutes``; its resident memory must level off.
 random bodies, fresh grammars among them) until the time is up. Every answer is checked
 (``check_answer``: no 5xx, strict JSON, its model). The server's RSS is sampled every
 ``--sample-every`` seconds; reported: RSS after the first minute (or the first sample when the
-run is shorter) and at the end, their ratio, and the answers' statuses.
+run is shorter) and at the end, their ratio, and the answers' statuses; the exit status is 1
+if an answer failed its check or the end's RSS is over the baseline's by more than ``--max-growth``.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-every", type=float, default=30.0, help="seconds between RSS samples")
     p.add_argument("--warmup-minutes", type=float, default=1.0, help="the RSS baseline is taken after this long")
     p.add_argument("--server-args", default="", help="extra `specdec serve` flags")
+    p.add_argument("--max-growth", type=float, default=0.05,
+                   help="the end's RSS may exceed the baseline's by at most this fraction (else exit 1)")
 
 
 def rss_bytes(pid: int) -> int:
@@ -90,4 +93,7 @@ def cmd_soak(args) -> int:
     print(f"answers: {sum(statuses.values())}, statuses {dict(sorted(statuses.items()))}; failures: {len(failures)}")
     for f in failures[:10]:
         print("  ", f)
-    return 1 if failures else 0
+    grew = ratio > 1 + args.max_growth
+    if grew:
+        print(f"RSS grew by more than {args.max_growth:.0%} after the warm-up")
+    return 1 if failures or grew else 0
