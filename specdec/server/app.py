@@ -106,7 +106,7 @@ def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
     docs = {} if settings.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="specdec", version=specdec.__version__, lifespan=lifespan,
                   default_response_class=StrictJSONResponse, **docs)
-    install_openapi(app, preparer.models)
+    install_openapi(app, preparer.models, settings.limits.max_body_bytes, settings.limits.max_schema_chars)
     app.state.async_engine, app.state.serving, app.state.metrics = async_engine, serving, metrics
     app.add_middleware(InternalErrors, on_error=metrics.request_rejected)
     if settings.allowed_hosts:

@@ -69,7 +69,7 @@ def model_schemas(model: type[BaseModel]) -> tuple[dict, dict]:
     return schema, schema.pop("$defs", {})
 
 
-def install_openapi(app: FastAPI, models: RequestModels) -> None:
+def install_openapi(app: FastAPI, models: RequestModels, max_body_bytes: int, max_schema_chars: int) -> None:
     def openapi() -> dict:
         if app.openapi_schema is not None:
             return app.openapi_schema
@@ -85,7 +85,11 @@ def install_openapi(app: FastAPI, models: RequestModels) -> None:
                     raise RuntimeError(f"two different schemas are named {name!r} in /openapi.json")
                 components[name] = d
             doc["paths"][path]["post"]["requestBody"] = {
-                "required": True, "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}}}
+                "required": True, "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}},
+                "description": f"strict JSON (no NaN / Infinity, nesting at most 32 deep), at most {max_body_bytes} "
+                               f"bytes (--max-body-bytes, else 413); each JSON schema, regex, grammar or choice list, "
+                               f"and all tools together, at most {max_schema_chars} characters as JSON "
+                               "(--max-schema-chars, else 400)"}
         for model in extra:
             schema, defs = model_schemas(model)
             components.update(defs)
