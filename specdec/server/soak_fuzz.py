@@ -23,7 +23,9 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=4, help="concurrent client threads")
     p.add_argument("--sample-every", type=float, default=30.0, help="seconds between RSS samples")
     p.add_argument("--warmup-minutes", type=float, default=1.0, help="the RSS baseline is taken after this long")
-    p.add_argument("--server-args", default="", help="extra `specdec serve` flags")
+    p.add_argument("--server-args", default="--max-tokens-limit 32",
+                   help="extra `specdec serve` flags (the default keeps every generation short, including "
+                        "the corpus' requests that omit max_tokens)")
     p.add_argument("--max-growth", type=float, default=0.05,
                    help="the end's RSS may exceed the baseline's by at most this fraction (else exit 1)")
 
@@ -77,7 +79,7 @@ def cmd_soak(args) -> int:
         for t in threads:
             t.start()
         samples.append((0.0, rss_bytes(pid)))
-        while any(t.is_alive() for t in threads):
+        while time.monotonic() < t0 + deadline_s:
             time.sleep(min(args.sample_every, max(0.1, t0 + deadline_s - time.monotonic())))
             samples.append((time.monotonic() - t0, rss_bytes(pid)))
             print(f"  {samples[-1][0]:6.0f} s  RSS {samples[-1][1] / 2**20:7.1f} MiB  answers {sum(statuses.values())}",
