@@ -122,6 +122,7 @@ def cmd_serve(args) -> int:
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
     settings = settings_from_args(args, args.served_model_name or args.model or "specdec-default")
+    _check_open_files(args.max_connections, log)
     llm = make_llm(args)
     server = None
 
@@ -182,6 +183,20 @@ def _uvicorn_server_class():
                     signal.signal(sig, signal.SIG_IGN)
 
     return Server
+
+
+def _check_open_files(max_connections: int, log: logging.Logger) -> None:
+    """Warn when the open-files limit, not --max-connections, would bound the connections (the
+    server itself needs some descriptors: model files, pipes, the listening socket)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return
+    if soft != resource.RLIM_INFINITY and max_connections > soft - 64:
+        log.warning("--max-connections %d is above what the open-files limit (%d) allows; raise it "
+                    "(ulimit -n) or lower --max-connections", max_connections, soft)
 
 
 def _is_loopback(host: str) -> bool:
