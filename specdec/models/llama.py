@@ -100,11 +100,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, attn_backend: AttentionBackend):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, attn_backend: AttentionBackend,
+                 mlp: nn.Module | None = None):
         super().__init__()
         eps = _cfg(config, "rms_norm_eps", 1e-6)
         self.self_attn = Attention(config, qkv_bias, qk_norm, attn_backend)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
@@ -129,7 +130,8 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = self.qkv_bias or bool(_cfg(config, "attention_bias", False))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, self.qk_norm, attn_backend) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qkv_bias, self.qk_norm, attn_backend, self.make_mlp(config, i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, _cfg(config, "rms_norm_eps", 1e-6))
         theta, scaling = _rope_params(config)
@@ -138,6 +140,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_mlp(self, config, layer_idx: int) -> nn.Module | None:
+        """The feed-forward of layer ``layer_idx``; None: the dense ``MLP`` (families with experts override)."""
+        return None
 
     @property
     def num_kv_heads(self) -> int:
@@ -216,8 +222,8 @@ class LlamaForCausalLM(nn.Module):
         if fused == "qkv_proj":
             attn = self.layers[0].self_attn
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        else:
-            sizes = [self.layers[0].mlp.intermediate_size] * 2
+        else:  # the owning module's size: dense and expert feed-forwards may differ
+            sizes = [self.get_submodule(name.rsplit(".", 2)[0]).intermediate_size] * 2
         offset = sum(sizes[:shard])
         _copy_checked(param.data.narrow(0, offset, sizes[shard]), tensor, name.replace(fused, f"{fused}[{shard}]"))
 

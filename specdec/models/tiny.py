@@ -17,6 +17,9 @@ _ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 
+# mixture-of-experts families (their expert counts and sizes come as ``extra`` config fields)
+_ARCHS.update(qwen3_moe=("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), mixtral=("MixtralConfig", "MixtralForCausalLM"))
+
 
 def _corpus() -> list[str]:
     import json
