@@ -1,13 +1,9 @@
 """Shared checks for the mixture-of-experts families (imported by test_qwen3_moe.py, test_mixtral.py).
 
-A tiny random checkpoint built by transformers, its router weights scaled up so routing is far
-from uniform and different rows pick different experts; every check runs float32 on CPU and
-compares with transformers' own model (logits; greedy tokens) or with plain decoding.
+Tiny random checkpoints built by transformers (``router_scale``: rows pick different experts);
+every check runs float32 on CPU against transformers' own model (logits; greedy tokens).
 """
 from __future__ import annotations
-
-import shutil
-from pathlib import Path
 
 import torch
 
@@ -24,20 +20,6 @@ PROMPTS = [
     "import json",
     "s = json.dumps(obj, indent=4)",
 ]
-
-
-def scaled_router_copy(src: str, dst: Path, scale: float) -> str:
-    """Copy a checkpoint with every router matrix (``*.gate.weight`` / ``*.router.weight``) times ``scale``."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst, dirs_exist_ok=True)
-    for file in Path(dst).glob("*.safetensors"):
-        weights = load_file(str(file))
-        for name in weights:
-            if name.endswith((".gate.weight", ".router.weight")):
-                weights[name] = weights[name] * scale
-        save_file(weights, str(file), metadata={"format": "pt"})
-    return str(dst)
 
 
 class HFGreedy:

@@ -11,18 +11,17 @@ from moe_parity import (
     check_logits,
     check_preemption,
     check_speculative,
-    scaled_router_copy,
 )
 
 from specdec.models.mixtral import hf_name
 
 SHAPE = dict(arch="mixtral", num_layers=2, num_kv_heads=1, intermediate_size=48, num_local_experts=8,
-             num_experts_per_tok=2, initializer_range=0.05, random_norms_and_biases=True)
+             num_experts_per_tok=2, initializer_range=0.05, router_scale=20.0, random_norms_and_biases=True)
 
 
 @pytest.fixture(scope="module")
 def mixtral(make_model, make_perturbed_copy, tmp_path_factory, tiny_tokenizer):
-    target = scaled_router_copy(make_model("mixtral", **SHAPE), tmp_path_factory.mktemp("mixtral_routed"), 20.0)
+    target = make_model("mixtral", **SHAPE)
     draft = make_perturbed_copy(target, tmp_path_factory.mktemp("mixtral_draft"), scale=0.1, seed=3)
     return target, draft, HFGreedy(target), tiny_tokenizer
 

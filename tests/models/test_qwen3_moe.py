@@ -11,19 +11,18 @@ from moe_parity import (
     check_logits,
     check_preemption,
     check_speculative,
-    scaled_router_copy,
 )
 
 from specdec.models.qwen3_moe import sparse_layer
 
 SHAPE = dict(arch="qwen3_moe", num_layers=3, head_dim=32, num_experts=8, num_experts_per_tok=3,
              moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1], initializer_range=0.05,
-             random_norms_and_biases=True)
+             router_scale=20.0, random_norms_and_biases=True)
 
 
 @pytest.fixture(scope="module")
 def qwen3_moe(make_model, make_perturbed_copy, tmp_path_factory, tiny_tokenizer):
-    target = scaled_router_copy(make_model("qwen3_moe", **SHAPE), tmp_path_factory.mktemp("qwen3_moe_routed"), 20.0)
+    target = make_model("qwen3_moe", **SHAPE)
     draft = make_perturbed_copy(target, tmp_path_factory.mktemp("qwen3_moe_draft"), scale=0.1, seed=3)
     return target, draft, HFGreedy(target), tiny_tokenizer
 
