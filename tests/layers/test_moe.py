@@ -127,3 +127,37 @@ def test_matches_the_transformers_block(family):
         out = ours(x[0])
     assert len(set(ours.gate(x[0]).expert_ids.flatten().tolist())) == E  # routing really varies
     torch.testing.assert_close(out, ref[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w4a8"])
+def test_quantization_transforms_every_expert_and_keeps_the_router(quantization):
+    from specdec.layers.quantization import WeightOnlyLinear, prepare_for_inference
+
+    torch.manual_seed(0)
+    hidden = 64  # w4a8 takes layers of 64k inputs: gate_up here, down (24 inputs) stays weight-only
+    moe = SparseMoE(TopKRouter(hidden, E, 2), [Expert(hidden, I) for _ in range(E)])
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.5)
+    router_weight = moe.gate.weight.detach().clone()
+    x = torch.randn(9, hidden)
+    with torch.no_grad():
+        dense_out = moe(x)
+    prepare_for_inference(moe, quantization, torch.device("cpu"))
+    assert all(isinstance(e.gate_up_proj, WeightOnlyLinear) and isinstance(e.down_proj, WeightOnlyLinear)
+               for e in moe.experts)
+    assert isinstance(moe.gate, TopKRouter) and torch.equal(moe.gate.weight, router_weight)
+    assert moe.experts[0].gate_up_proj.int8_activations == (quantization == "w4a8")
+    with torch.no_grad():
+        out = moe(x)
+        if quantization == "w4a8":  # activations rounded too: only close to the float layer
+            assert ((out - dense_out).abs().max() / dense_out.abs().max()) < 0.3
+            return
+        # weight-only: the float layer with the dequantized weights
+        dequantized = [Expert(hidden, I) for _ in range(E)]
+        for ours, ref in zip(moe.experts, dequantized):
+            ref.gate_up_proj.weight.copy_(ours.gate_up_proj.dequantized_weight())
+            ref.down_proj.weight.copy_(ours.down_proj.dequantized_weight())
+        expected = grouped_experts(x, moe.gate(x), dequantized)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+    assert not torch.equal(out, dense_out)
