@@ -28,8 +28,7 @@ def test_moe_under_tp_equals_one_device(moe_path, prompts):
         model = llm.engine.executor.driver_worker.runner.model
         moe = model.layers[0].mlp.moe  # the sharded layer inside its all-reduce
         assert moe.experts[0].gate_up_proj.weight.shape == (2 * 16, 64)  # 32 / 2 ranks, gate and up
-        assert moe.experts[0].down_proj.linear.weight.shape == (64, 16) if hasattr(moe.experts[0].down_proj, "linear") \
-            else moe.experts[0].down_proj.weight.shape == (64, 16)
+        assert moe.experts[0].down_proj.weight.shape == (64, 16)  # row-parallel: the reduction is the layer's
         mixed = [params if i % 2 else SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
                                                      use_speculation=False) for i in range(len(batch))]
         outs = llm.generate(batch, mixed, use_tqdm=False)
