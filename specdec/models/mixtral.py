@@ -1,13 +1,15 @@
 """Mixtral: the Mistral decoder with a sparse mixture of ``num_local_experts`` SwiGLU experts,
 ``num_experts_per_tok`` (2) chosen per token by a softmax router and renormalised. Published
 checkpoints name the block ``block_sparse_moe`` and the expert matrices ``w1`` (gate), ``w3`` (up)
-and ``w2`` (down); they are mapped to the Llama names at load."""
+and ``w2`` (down); they are mapped to the Llama names at load. A ``sliding_window`` in the config
+applies to every layer (the Llama decoder's per-layer attention options)."""
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
 from specdec.layers.moe import Expert, SparseMoE, TopKRouter
 from specdec.models.mistral import MistralForCausalLM
@@ -23,10 +25,12 @@ def hf_name(name: str) -> str:
 
 
 class MixtralForCausalLM(MistralForCausalLM):
-    def make_mlp(self, config, layer_idx: int):
+    def make_layer(self, config, layer_idx: int, qkv_bias: bool, attn_backend) -> nn.Module:
+        layer = super().make_layer(config, layer_idx, qkv_bias, attn_backend)  # sliding window from the config
         hidden, num_experts = config.hidden_size, config.num_local_experts
         router = TopKRouter(hidden, num_experts, config.num_experts_per_tok, softmax_first=True, normalize=True)
-        return SparseMoE(router, [Expert(hidden, config.intermediate_size) for _ in range(num_experts)])
+        layer.mlp = SparseMoE(router, [Expert(hidden, config.intermediate_size) for _ in range(num_experts)])
+        return layer
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights((hf_name(name), tensor) for name, tensor in weights)

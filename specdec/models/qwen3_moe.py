@@ -5,6 +5,8 @@ renormalised when ``norm_topk_prob``. Layer i is sparse unless it is listed in
 ``intermediate_size``."""
 from __future__ import annotations
 
+from torch import nn
+
 from specdec.layers.moe import Expert, SparseMoE, TopKRouter
 from specdec.models.llama import _cfg
 from specdec.models.qwen3 import Qwen3ForCausalLM
@@ -18,10 +20,11 @@ def sparse_layer(config, layer_idx: int) -> bool:
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    def make_mlp(self, config, layer_idx: int):
-        if not sparse_layer(config, layer_idx):
-            return None
-        hidden, num_experts = config.hidden_size, config.num_experts
-        router = TopKRouter(hidden, num_experts, config.num_experts_per_tok, softmax_first=True,
-                            normalize=bool(_cfg(config, "norm_topk_prob", False)))
-        return SparseMoE(router, [Expert(hidden, config.moe_intermediate_size) for _ in range(num_experts)])
+    def make_layer(self, config, layer_idx: int, qkv_bias: bool, attn_backend) -> nn.Module:
+        layer = super().make_layer(config, layer_idx, qkv_bias, attn_backend)
+        if sparse_layer(config, layer_idx):
+            hidden, num_experts = config.hidden_size, config.num_experts
+            router = TopKRouter(hidden, num_experts, config.num_experts_per_tok, softmax_first=True,
+                                normalize=bool(_cfg(config, "norm_topk_prob", False)))
+            layer.mlp = SparseMoE(router, [Expert(hidden, config.moe_intermediate_size) for _ in range(num_experts)])
+        return layer

@@ -15,10 +15,13 @@ _ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    # mixture-of-experts families: expert counts and sizes come as ``extra`` config fields
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
-
-# mixture-of-experts families (their expert counts and sizes come as ``extra`` config fields)
-_ARCHS.update(qwen3_moe=("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), mixtral=("MixtralConfig", "MixtralForCausalLM"))
 
 
 def _corpus() -> list[str]:

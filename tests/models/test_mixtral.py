@@ -1,7 +1,7 @@
 """Mixtral: token-identical to transformers in float32 (logits, greedy generation in mixed
 batches with prefix caching, under preemption, speculative with a draft model and n-gram) on a
 tiny random checkpoint saved with Mixtral's published names (``block_sparse_moe``, ``w1/w2/w3``),
-top-2 of 8 experts."""
+top-2 of 8 experts; and with a sliding window of 8 that the sequences outgrow."""
 from __future__ import annotations
 
 import pytest
@@ -19,9 +19,10 @@ SHAPE = dict(arch="mixtral", num_layers=2, num_kv_heads=1, intermediate_size=48,
              num_experts_per_tok=2, initializer_range=0.05, router_scale=20.0, random_norms_and_biases=True)
 
 
-@pytest.fixture(scope="module")
-def mixtral(make_model, make_perturbed_copy, tmp_path_factory, tiny_tokenizer):
-    target = make_model("mixtral", **SHAPE)
+@pytest.fixture(scope="module", params=[None, 8], ids=["full", "window8"])
+def mixtral(request, make_model, make_perturbed_copy, tmp_path_factory, tiny_tokenizer):
+    window = request.param
+    target = make_model(f"mixtral_{window}", **SHAPE, **({"sliding_window": window} if window else {}))
     draft = make_perturbed_copy(target, tmp_path_factory.mktemp("mixtral_draft"), scale=0.1, seed=3)
     return target, draft, HFGreedy(target), tiny_tokenizer
 
