@@ -59,19 +59,27 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Mxfp4Linear(nn.Module):
     """``x @ dequant(blocks, scales).T + b`` with the weight kept packed (4.25 bits per weight)."""
 
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, bias: bool) -> Mxfp4Linear:
+        """Zero weights of this shape, to be loaded (on the default device)."""
+        groups = in_features // BLOCK
+        return cls(torch.zeros(out_features, groups, BLOCK // 2, dtype=torch.uint8),
+                   torch.zeros(out_features, groups, dtype=torch.uint8), torch.zeros(out_features) if bias else None)
+
     def __init__(self, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features = blocks.shape[0]
         self.in_features = blocks.shape[1] * BLOCK
-        self.register_buffer("blocks", blocks.contiguous())  # [N, K/32, 16] uint8
-        self.register_buffer("scales", scales.contiguous())  # [N, K/32] uint8
+        # parameters (never trained) so that checkpoint loaders fill them by name like any weight
+        self.blocks = nn.Parameter(blocks.contiguous(), requires_grad=False)  # [N, K/32, 16] uint8
+        self.scales = nn.Parameter(scales.contiguous(), requires_grad=False)  # [N, K/32] uint8
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_mxfp4(self.blocks, self.scales, dtype)
 
     def bits_per_weight(self) -> float:
-        stored = self.blocks.numel() * self.blocks.element_size() + self.scales.numel() * self.scales.element_size()
+        stored = sum(t.numel() * t.element_size() for t in (self.blocks, self.scales))
         return 8.0 * stored / (self.out_features * self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

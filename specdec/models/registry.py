@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from specdec.models.gemma3 import Gemma3ForCausalLM
+from specdec.models.gpt_oss import GptOssForCausalLM
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.mistral import MistralForCausalLM
 from specdec.models.mixtral import MixtralForCausalLM
@@ -17,6 +18,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
 }

@@ -93,7 +93,9 @@ def check_greedy_mixed_batch(path: str, hf: HFGreedy, tokenizer) -> None:
     assert_no_leaks(llm)
 
 
-def check_preemption(path: str, hf: HFGreedy, tokenizer) -> None:
+def check_preemption(path: str, hf: HFGreedy, tokenizer, expect_preemption: bool = True) -> None:
+    """The least KV the engine accepts (one full-length sequence) for a batch of six; a sliding
+    window frees blocks behind it, so there the batch may fit without preempting."""
     from transformers import AutoConfig
 
     from specdec.worker.model_runner import ModelRunner
@@ -102,7 +104,7 @@ def check_preemption(path: str, hf: HFGreedy, tokenizer) -> None:
     llm = LLM(model=path, **ENGINE, max_model_len=112, block_size=8, kv_cache_memory=15 * block_bytes)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     assert token_ids(llm, prompts) == [hf(p) for p in prompts]
-    assert llm.get_metrics()["num_preemptions"] > 0
+    assert llm.get_metrics()["num_preemptions"] > 0 or not expect_preemption
     assert_no_leaks(llm)
 
 
