@@ -40,7 +40,8 @@ def gpt_oss_moe(config, packed: bool = False) -> SparseMoE:
     hidden, inter, num_experts = config.hidden_size, config.intermediate_size, config.num_local_experts
     router = TopKRouter(hidden, num_experts, config.num_experts_per_tok, softmax_first=False, normalize=False,
                         bias=True)
-    activation = ClampedSwiGLU(float(getattr(config, "swiglu_alpha", 1.702)), float(getattr(config, "swiglu_limit", 7.0)))
+    activation = ClampedSwiGLU(float(getattr(config, "swiglu_alpha", 1.702)),
+                               float(getattr(config, "swiglu_limit", 7.0)))
     experts = [Expert(hidden, inter, bias=True, activation=activation) for _ in range(num_experts)]
     if packed:
         for expert in experts:

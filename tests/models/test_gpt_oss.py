@@ -40,9 +40,8 @@ def mxfp4_pair(src: str, float_dst: Path, packed_dst: Path) -> tuple[str, str]:
         save_file(floats, str(float_dst / file.name), metadata={"format": "pt"})
         save_file(packed, str(packed_dst / file.name), metadata={"format": "pt"})
     config = json.loads((packed_dst / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
-                                                                                          "model.layers.*.mlp.router",
-                                                                                          "model.embed_tokens", "lm_head"]}
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (packed_dst / "config.json").write_text(json.dumps(config))
     return str(float_dst), str(packed_dst)
 
@@ -76,7 +75,8 @@ def test_mxfp4_experts_stay_packed_and_match_transformers(gpt_oss, tmp_path_fact
     hf = HFGreedy(float_path)
     check_logits(packed_path, hf)
     check_greedy_mixed_batch(packed_path, hf, tok)
-    model = LLM(model=packed_path, dtype="float32", device="cpu", max_model_len=64).engine.executor.driver_worker.runner.model
+    llm = LLM(model=packed_path, dtype="float32", device="cpu", max_model_len=64)
+    model = llm.engine.executor.driver_worker.runner.model
     linears = [e.gate_up_proj for e in model.layers[0].mlp.experts] + [e.down_proj for e in model.layers[1].mlp.experts]
     assert all(isinstance(m, Mxfp4Linear) and m.bits_per_weight() == 4.25 for m in linears)
     assert all(m.blocks.dtype == torch.uint8 for m in linears)

@@ -22,14 +22,17 @@ SHAPE = dict(arch="mixtral", num_layers=2, num_kv_heads=1, intermediate_size=48,
 @pytest.fixture(scope="module", params=[None, 8], ids=["full", "window8"])
 def mixtral(request, make_model, make_perturbed_copy, tmp_path_factory, tiny_tokenizer):
     window = request.param
-    target = make_model("mixtral_window" if window else "mixtral", **SHAPE, **({"sliding_window": window} if window else {}))
+    extra = {"sliding_window": window} if window else {}
+    target = make_model("mixtral_window" if window else "mixtral", **SHAPE, **extra)
     draft = make_perturbed_copy(target, tmp_path_factory.mktemp("mixtral_draft"), scale=0.1, seed=3)
     return target, draft, HFGreedy(target), tiny_tokenizer
 
 
 def test_published_names_map_to_the_fused_layout():
-    assert hf_name("model.layers.3.block_sparse_moe.experts.7.w1.weight") == "model.layers.3.mlp.experts.7.gate_proj.weight"
-    assert hf_name("model.layers.0.block_sparse_moe.experts.12.w2.weight") == "model.layers.0.mlp.experts.12.down_proj.weight"
+    prefix = "model.layers.3.block_sparse_moe"
+    assert hf_name(f"{prefix}.experts.7.w1.weight") == "model.layers.3.mlp.experts.7.gate_proj.weight"
+    assert hf_name(f"{prefix}.experts.12.w2.weight") == "model.layers.3.mlp.experts.12.down_proj.weight"
+    assert hf_name(f"{prefix}.experts.0.w3.weight") == "model.layers.3.mlp.experts.0.up_proj.weight"
     assert hf_name("model.layers.0.block_sparse_moe.gate.weight") == "model.layers.0.mlp.gate.weight"
 
 
