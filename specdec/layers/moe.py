@@ -15,6 +15,8 @@ under quantization, as vLLM and llama.cpp keep it, because its weights are few a
 router changes which experts run.
 
 ``reference_moe`` is the pure-torch reference: every (row, choice) pair computed on its own.
+On GPUs ``fuse_experts`` swaps float SwiGLU layers for ``FusedMoE`` (the Triton kernel in
+``kernels.fused_moe``, same grouping, two launches per layer).
 """
 from __future__ import annotations
 
@@ -180,10 +182,55 @@ class SparseMoE(nn.Module):
         return grouped_experts(x, self.gate(x), self.experts, self.stats)
 
 
-def moe_layers(model: nn.Module) -> list[SparseMoE]:
-    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+def moe_layers(model: nn.Module) -> list[SparseMoE | FusedMoE]:
+    return [m for m in model.modules() if isinstance(m, (SparseMoE, FusedMoE))]
 
 
 def experts_read(model: nn.Module) -> int:
     """Experts read by ``model``'s MoE layers since their stats were last reset, all layers summed."""
     return sum(m.stats.num_experts_read for m in moe_layers(model))
+
+
+class FusedMoE(nn.Module):
+    """A ``SparseMoE`` whose experts run in the Triton fused-MoE kernel (``kernels.fused_moe``: two
+    launches per layer, no host sync, so CUDA graphs capture it). Made by ``fuse_experts`` from a
+    layer whose experts are plain SwiGLU ``Expert``s without biases: their weights are stacked into
+    ``w13`` [E, 2I, H] and ``w2`` [E, H, I]. ``stats`` counts calls and pairs; the experts read per
+    call only while ``stats.recording`` (counting them needs a device sync)."""
+
+    def __init__(self, moe: SparseMoE):
+        super().__init__()
+        self.gate = moe.gate
+        self.register_buffer("w13", torch.stack([e.gate_up_proj.weight.detach() for e in moe.experts]))
+        self.register_buffer("w2", torch.stack([e.down_proj.weight.detach() for e in moe.experts]))
+        self.stats = moe.stats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from specdec.kernels import fused_moe
+
+        routing = self.gate(x)
+        self.stats.num_calls += 1
+        self.stats.num_pairs += routing.expert_ids.numel()
+        if self.stats.recording:
+            touched = int(torch.unique(routing.expert_ids).numel())
+            self.stats.num_experts_read += touched
+            self.stats.last_experts_read = touched
+            self.stats.history.append(touched)
+        return fused_moe.fused_moe(x, routing.weights, routing.expert_ids, self.w13, self.w2)
+
+
+def fusable(moe: SparseMoE) -> bool:
+    return all(isinstance(e, Expert) and e.activation is silu_mul and type(e.gate_up_proj) is nn.Linear
+               and type(e.down_proj) is nn.Linear and e.gate_up_proj.bias is None and e.down_proj.bias is None
+               for e in moe.experts)
+
+
+def fuse_experts(model: nn.Module) -> int:
+    """Replace every fusable ``SparseMoE`` of ``model`` by a ``FusedMoE`` (in place); -> how many."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, SparseMoE) and fusable(child):
+                setattr(module, name, FusedMoE(child))
+                count += 1
+    return count

@@ -52,3 +52,26 @@ def test_fused_moe_matches_the_reference(rows, top_k, num_experts, hidden, inter
     with torch.no_grad():
         grouped = grouped_experts(x, Routing(weights, ids), experts)
     torch.testing.assert_close(out, grouped, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
+def test_a_model_with_fused_experts_gives_the_same_logits_and_tokens(make_model):
+    """``fuse_experts`` (what GPUs get) on a Qwen3-MoE target: the same logits as the grouped torch
+    path within float32 rounding, and the same greedy tokens."""
+    from specdec import LLM, SamplingParams
+    from specdec.layers.moe import FusedMoE, fuse_experts, moe_layers
+
+    path = make_model("qwen3_moe_fused", arch="qwen3_moe", num_layers=2, head_dim=32, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, initializer_range=0.05, router_scale=20.0)
+    llm = LLM(model=path, dtype="float32", device="cpu", max_model_len=64)
+    runner = llm.engine.executor.driver_worker.runner
+    feeds = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    batch = runner.prepare(feeds, [0, 0], [[0], [1]], [list(range(len(f))) for f in feeds])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = ["def f(x):", "import json"]
+    grouped_logits = runner.forward(batch).clone()
+    grouped_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert fuse_experts(runner.model) == 2 and all(isinstance(m, FusedMoE) for m in moe_layers(runner.model))
+    fused_logits = runner.forward(batch)
+    scale = grouped_logits.abs().max().item()
+    torch.testing.assert_close(fused_logits, grouped_logits, rtol=0, atol=1e-5 * scale)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == grouped_tokens
