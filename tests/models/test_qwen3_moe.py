@@ -76,3 +76,28 @@ def test_quantized_experts_speculative_greedy_equals_plain(quantization, qwen3_m
     assert spec.get_metrics()["num_accepted_tokens"] > 0
     if quantization == "int8":  # an int8 error in the experts moves late tokens, not the first ones
         assert sum(r[:4] == hf(p)[:4] for r, p in zip(reference, prompts)) >= len(prompts) - 1
+
+
+def test_eagle3_head_on_the_moe_target_is_greedy_identical(qwen3_moe, tmp_path):
+    """An EAGLE-3 head (speculators format, as published for Qwen3-MoE) reading three layers' inputs
+    of the MoE target: greedy speculative output equals transformers'."""
+    import torch
+    from moe_parity import PROMPTS, greedy_params, token_ids
+
+    from specdec import LLM
+    from specdec.models.loader import load_model
+    from specdec.models.speculators import save_eagle3
+    from specdec.training.train_eagle3 import init_eagle3
+
+    target, _, hf, tok = qwen3_moe
+    head = init_eagle3(load_model(target, torch.float32, torch.device("cpu")), (0, 1, 2), seed=1)
+    with torch.no_grad():  # drafts that vary from row to row
+        for name, p in head.named_parameters():
+            if p.dim() == 2 and not name.startswith("lm_head"):
+                p.mul_(8.0)
+    save_eagle3(head, tmp_path / "head", target, ["Qwen3MoeForCausalLM"], 3, dtype=torch.float32)
+    llm = LLM(model=target, dtype="float32", device="cpu", max_model_len=128, speculative_config={
+        "method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 3})
+    prompts = [tok.encode(p) for p in PROMPTS]
+    assert token_ids(llm, prompts, greedy_params()) == [hf(p) for p in prompts]
+    assert llm.get_metrics()["num_draft_tokens"] > 0
