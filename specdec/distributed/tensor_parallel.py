@@ -17,6 +17,9 @@ branches. Megatron's split, for the Llama family (Llama, Mistral, Qwen2, Qwen3):
   experts, and under expert placement the rank owning most of them would set the step's time
   while the others wait. Every rank routes identically (replicated router, same input), so all
   run the same experts in the same order and the single reduction adds matching partials.
+  gpt-oss's stacked expert tensors are cut the same way (interleaved gate/up rows in pairs,
+  MXFP4 blocks whole: each rank's width a multiple of 32); its expert output biases stay on
+  rank 0 (zeros elsewhere) so the reduction adds them once; attention sinks split by head.
 
 Two phases around loading: ``shard_shapes`` resizes the meta-device model to one rank's
 shapes before any memory is allocated; ``ShardSlicer`` cuts each checkpoint tensor to this
@@ -32,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.distributed.parallel_state import TensorParallelGroup
-from specdec.layers.moe import Expert, SparseMoE
+from specdec.layers.moe import SparseMoE
+from specdec.layers.mxfp4 import Mxfp4Linear
 
 
 def _check_divides(world: int, what: str, count: int) -> None:
@@ -82,6 +86,12 @@ class _Split:
             return r * self.local_intermediate, (r + 1) * self.local_intermediate
         if kind == "expert":
             return r * self.local_expert_intermediate, (r + 1) * self.local_expert_intermediate
+        if kind == "expert_pairs":  # gpt-oss's gate_up rows interleave gate and up: two rows per column
+            return 2 * r * self.local_expert_intermediate, 2 * (r + 1) * self.local_expert_intermediate
+        if kind == "expert_blocks":  # MXFP4 blocks of 32 inputs
+            return r * self.local_expert_intermediate // 32, (r + 1) * self.local_expert_intermediate // 32
+        if kind == "heads":
+            return r * self.local_heads, (r + 1) * self.local_heads
         if kind == "vocab":
             return r * self.local_vocab, (r + 1) * self.local_vocab
         raise ValueError(kind)
@@ -102,6 +112,8 @@ def shard_shapes(model: nn.Module, tp: TensorParallelGroup) -> None:
         attn.q_size, attn.kv_size = split.local_heads * split.head_dim, split.local_kv_heads * split.head_dim
         attn.qkv_proj = _linear_like(attn.qkv_proj, hidden, attn.q_size + 2 * attn.kv_size)
         attn.o_proj = _linear_like(attn.o_proj, attn.q_size, hidden)
+        if getattr(attn, "sinks", None) is not None:  # one logit per query head
+            attn.sinks = nn.Parameter(torch.empty(split.local_heads, device=attn.sinks.device, dtype=attn.sinks.dtype))
         if isinstance(mlp, SparseMoE):
             for expert in mlp.experts:
                 _shard_feed_forward(expert, hidden, split.local_expert_intermediate)
@@ -114,9 +126,15 @@ def shard_shapes(model: nn.Module, tp: TensorParallelGroup) -> None:
 
 
 def _shard_feed_forward(mlp: nn.Module, hidden: int, local_intermediate: int) -> None:
-    if mlp.down_proj.bias is not None and isinstance(mlp, Expert):
-        raise ValueError("tensor parallelism does not shard experts with biases (gpt-oss) yet")
     mlp.intermediate_size = local_intermediate
+    if isinstance(mlp.gate_up_proj, Mxfp4Linear):
+        if local_intermediate % 32:
+            raise ValueError(f"tensor parallelism would cut MXFP4 blocks: each rank's expert width "
+                             f"({local_intermediate}) must be a multiple of 32")
+        with torch.device(mlp.gate_up_proj.blocks.device):
+            mlp.gate_up_proj = Mxfp4Linear.empty(hidden, 2 * local_intermediate, mlp.gate_up_proj.bias is not None)
+            mlp.down_proj = Mxfp4Linear.empty(local_intermediate, hidden, mlp.down_proj.bias is not None)
+        return
     mlp.gate_up_proj = _linear_like(mlp.gate_up_proj, hidden, 2 * local_intermediate)
     mlp.down_proj = _linear_like(mlp.down_proj, local_intermediate, hidden)
 
@@ -126,6 +144,12 @@ def _shard_feed_forward(mlp: nn.Module, hidden: int, local_intermediate: int) ->
 _SLICED = (
     (re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|w1|w3)\.weight$"), "expert", 0),
     (re.compile(r"\.experts\.\d+\.(down_proj|w2)\.weight$"), "expert", 1),
+    # gpt-oss: experts stacked [E, ...]; float weights stored [E, in, out]
+    (re.compile(r"\.experts\.gate_up_proj(_blocks|_scales|_bias)$"), "expert_pairs", 1),
+    (re.compile(r"\.experts\.gate_up_proj$"), "expert_pairs", 2),
+    (re.compile(r"\.experts\.down_proj(_blocks|_scales)$"), "expert_blocks", 2),
+    (re.compile(r"\.experts\.down_proj$"), "expert", 1),
+    (re.compile(r"\.self_attn\.sinks$"), "heads", 0),
     (re.compile(r"\.q_proj\.(weight|bias)$"), "q", 0),
     (re.compile(r"\.[kv]_proj\.(weight|bias)$"), "kv", 0),
     (re.compile(r"\.o_proj\.weight$"), "q", 1),
@@ -146,7 +170,11 @@ class ShardSlicer:
         for pattern, kind, dim in _SLICED:
             if pattern.search(name):
                 start, end = self.split.rows(kind)
-                return safetensors_slice[start:end] if dim == 0 else safetensors_slice[:, start:end]
+                return safetensors_slice[(slice(None),) * dim + (slice(start, end),)]
+        if name.endswith(".experts.down_proj_bias") and self.split.rank:
+            # an expert's output bias, scaled by its routing weight inside the layer, is added
+            # before the layer's one reduction: rank 0 alone holds it
+            return torch.zeros_like(safetensors_slice[:])
         return safetensors_slice[:]  # replicated: norms, o/down biases
 
 

@@ -80,3 +80,24 @@ def test_mxfp4_experts_stay_packed_and_match_transformers(gpt_oss, tmp_path_fact
     linears = [e.gate_up_proj for e in model.layers[0].mlp.experts] + [e.down_proj for e in model.layers[1].mlp.experts]
     assert all(isinstance(m, Mxfp4Linear) and m.bits_per_weight() == 4.25 for m in linears)
     assert all(m.blocks.dtype == torch.uint8 for m in linears)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["float", "mxfp4"])
+def test_two_tensor_parallel_ranks_equal_one(packed, gpt_oss, tmp_path_factory):
+    """TP=2 (sinks split by head, each expert's width split, MXFP4 blocks whole, output biases
+    added once): greedy tokens equal one device's."""
+    from moe_parity import PROMPTS, greedy_params, token_ids
+
+    target, _, _, tok = gpt_oss
+    if packed:
+        _, target = mxfp4_pair(target, tmp_path_factory.mktemp("gpt_oss_tp_f"), tmp_path_factory.mktemp("gpt_oss_tp_q"))
+    prompts = [tok.encode(p) for p in PROMPTS]
+    one = token_ids(LLM(model=target, dtype="float32", device="cpu", max_model_len=96), prompts, greedy_params())
+    llm = LLM(model=target, dtype="float32", device="cpu", max_model_len=96, tensor_parallel_size=2)
+    try:
+        model = llm.engine.executor.driver_worker.runner.model
+        assert model.layers[0].self_attn.sinks.shape == (2,)  # 4 heads / 2 ranks
+        assert model.layers[0].mlp.moe.experts[0].intermediate_size == 32
+        assert token_ids(llm, prompts, greedy_params()) == one
+    finally:
+        llm.engine.executor.shutdown()
