@@ -58,7 +58,8 @@ class EngineCore:
             self.executor = UniprocExecutor(Worker(config, *worker_args, target_weights=target_weights))
         self.runtime_plan = self.executor.runtime_plan
         self.device, self.dtype = self.runtime_plan.device, self.runtime_plan.dtype
-        self.kv = KVCacheManager(self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                 info.kv_sliding_window)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.enable_chunked_prefill, stop_checker=self.output)
