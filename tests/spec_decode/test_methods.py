@@ -21,6 +21,7 @@ def test_the_builtin_methods_describe_what_they_need():
     draft, eagle, ngram = get_method("draft_model"), get_method("eagle3"), get_method("ngram")
     assert draft.needs_model and draft.has_draft_model and draft.supports_tree and draft.supports_draft_vocab
     assert eagle.needs_target_hidden and not eagle.graph_capturable and not eagle.supports_draft_vocab
+    assert draft.draft_kv_cache and eagle.draft_kv_cache and not ngram.draft_kv_cache
     assert not (ngram.needs_model or ngram.has_draft_model or ngram.supports_tree) and ngram.graph_capturable
 
 
