@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from specdec.sampling_params import SamplingParams
 from specdec.server.limits import RequestLimits, check_limits
 from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from specdec.server.reasoning import ReasoningParser, template_kwargs
 from specdec.server.request_body import parse_request
 from specdec.server.structured import engine_error_param, request_constraint
 from specdec.structured_output import StructuredOutputsParams
@@ -31,6 +32,7 @@ class Prepared:
     prompt_texts: list[str | None]
     constraint_field: str | None = None  # the request field the output constraint came from
     tool_parser: ToolParser | None = None  # reads the output's tool calls (chat with tools)
+    reasoning_mode: str | None = None  # where the output starts (reasoning.py); None: no reasoning parser
 
 
 def max_token_chars(tokenizer) -> int:
@@ -53,6 +55,7 @@ class Preparer:
     # EngineCore.compile_grammar (thread-safe, cached): a grammar that does not compile is a 400 here
     compile_grammar: Callable[[StructuredOutputsParams], object]
     tool_parser: ToolParser | None = None  # the model's tool-call format (--tool-call-parser or its template)
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
 
     def check_model(self, name: str | None) -> str:
         if name is not None and name not in self.model_names:
@@ -114,21 +117,28 @@ class Preparer:
         req = parse_request(ChatCompletionRequest, body)
         model, params, field, tools = self._common(req, 1)
         messages = req.template_messages()
-        num_chars = sum(len(m.get("content") or "") for m in messages)
+        extra = template_kwargs(req)
+        num_chars = sum(len(m.get("content") or "") for m in messages) + (len(repr(extra)) if extra else 0)
         num_chars += sum(len(c.function.arguments) for m in req.messages for c in m.tool_calls or [])
         self._check_length(num_chars, "messages")
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
         try:
             ids = tokenizer.apply_chat_template(messages, tools=tools.template_tools, tokenize=True,
-                                                add_generation_prompt=req.add_generation_prompt)
+                                                add_generation_prompt=req.add_generation_prompt, **extra)
         except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are the client's
             raise APIError(400, f"the chat template rejected the messages: {str(e)[:300]}", param="messages") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         ids = list(ids)
         self._validate_ids(ids, "messages")
-        return Prepared(req, model, params, [ids], [None], field, tools.parser)
+        reasoning_mode = None
+        if self.reasoning_parser is not None:  # the constraint starts after the reasoning
+            reasoning_mode = self.reasoning_parser.mode(ids)
+            params.structured_outputs = self.reasoning_parser.gate(params.structured_outputs, reasoning_mode)
+        if not all(p.skip_special_tokens for p in (tools.parser, self.reasoning_parser) if p is not None):
+            params.skip_special_tokens = False  # the format's markers are special tokens
+        return Prepared(req, model, params, [ids], [None], field, tools.parser, reasoning_mode)
 
 
 def _describe(tool_choice) -> str:
