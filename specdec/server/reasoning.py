@@ -13,7 +13,8 @@ tokens, which hold the generation prompt):
 - neither: the parser's default, ``open`` for deepseek_r1 and gpt_oss, ``optional`` for qwen3
   (the output opens its reasoning with ``<think>`` or answers at once).
 
-The content is returned without the whitespace that separates it from the reasoning.
+The reasoning and the content are returned without the whitespace that begins them (the
+reasoning keeps what precedes its end tag: a stream has sent it before the tag arrives).
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ class ReasoningParser:
             return None, text
         body = text.lstrip()
         if body.startswith(fmt.start_tag):
-            body = body[len(fmt.start_tag):]
+            body = body[len(fmt.start_tag):].lstrip()
         elif mode == OPTIONAL:
             if not final and fmt.start_tag.startswith(body):
                 return None, ""  # the tag may be starting
