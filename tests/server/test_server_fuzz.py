@@ -1,6 +1,6 @@
 """Fuzzing the shared server: ~300 requests, a fixed corpus of hostile bodies, one of values at
 the edges of what validation accepts (each must be served), plus 250 bodies hypothesis builds
-from every field the endpoints know (values of every JSON type, huge and non-finite numbers,
+from every field the endpoints know (the tokenizer endpoints too) (values of every JSON type, huge and non-finite numbers,
 lone surrogates, nesting; derandomized). Every answer must be a 2xx or a 4xx in OpenAI's
 shape, never a 5xx, a hang or a dropped connection; afterwards /health is ok, a normal
 request works and nothing runs or holds a KV block."""
@@ -46,6 +46,40 @@ CORPUS: list[tuple[str, bytes]] = [
                              b'"function": {"name": "f", "parameters": {"$ref": "#"}}}], "tool_choice": "required"}'),
     ("/v1/completions", b'{"prompt": "x", "guided_json": {"$ref": "#"}}'),
     ("/v1/completions", b'{"prompt": "x", "guided_grammar": "root ::= root"}'),  # a grammar no token can start
+    # tool_choice forms
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+                             b'"function": {"name": "f"}}], "tool_choice": {"type": "function"}}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+                             b'"function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {}}}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+                             b'"function": {"name": "f"}}], "tool_choice": "Required"}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+                             b'"function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}], '
+                             b'"tool_choice": "required"}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+                             b'"function": {"name": "f", "parameters": {"type": "object", "properties": {"a": '
+                             b'{"$ref": "#/$defs/missing"}}}}}], "tool_choice": {"type": "function", "function": '
+                             b'{"name": "f"}}}'),
+    # reasoning flags and chat template variables
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": []}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": '
+                             b'{"tokenize": false}}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": '
+                             b'{"messages": []}}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "enable_thinking": "false"}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "enable_thinking": true, '
+                             b'"chat_template_kwargs": {"enable_thinking": false}}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "include_reasoning": null}'),
+    # the tokenizer endpoints
+    ("/tokenize", b""), ("/tokenize", b"[]"), ("/tokenize", b'{"prompt": 5}'), ("/tokenize", b'{"prompt": null}'),
+    ("/tokenize", b'{"prompt": "\udc00"}'), ("/tokenize", b'{"messages": "x"}'),
+    ("/tokenize", b'{"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": true, '
+                  b'"continue_final_message": true}'),
+    ("/tokenize", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{}]}'),
+    ("/detokenize", b'{"tokens": [' + b"9" * 30 + b']}'), ("/detokenize", b'{"tokens": [1e999]}'),
+    ("/detokenize", b'{"tokens": [true]}'), ("/detokenize", b'{"tokens": null}'),
+    ("/detokenize", b'{"tokens": [' + b"1," * 5000 + b'1]}'),
 ]
 
 # values at the edges of what validation accepts: each must be served (a 200), not crash a step
@@ -60,7 +94,18 @@ CORPUS_OK: list[tuple[str, dict]] = [("/v1/completions", {**_EDGE, **kw}) for kw
                                 "max_tokens": 3, **kw})
       for kw in [{"logprobs": True, "top_logprobs": 20}, {"stream": True, "n": 3}, {"max_completion_tokens": 1},
                  {"response_format": {"type": "json_object"}, "stream": True},
-                 {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}]]
+                 {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},
+                 # "required" and named tools: served whatever the chat template (the JSON form)
+                 {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+                  "max_tokens": 40, "stream": True},
+                 {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                  "tool_choice": {"type": "function", "function": {"name": "f"}}},
+                 {"chat_template_kwargs": {"enable_thinking": False, "custom": [1, {"a": None}]}},
+                 {"enable_thinking": True, "include_reasoning": False}]] + [
+    ("/tokenize", {"prompt": "", "add_special_tokens": False}), ("/tokenize", {"prompt": "\ud83d\ude00 \u0000"}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "return_token_strs": True,
+                   "add_generation_prompt": False, "continue_final_message": True}),
+    ("/detokenize", {"tokens": []}), ("/detokenize", {"tokens": [0, 1, 2, 319]})]
 
 _junk = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
                   st.text(max_size=20), st.just("\ud800"), st.lists(st.integers(-3, 300), max_size=4),
@@ -106,9 +151,21 @@ _chat = st.fixed_dictionaries({"messages": st.one_of(st.lists(_message, max_size
                                             ["auto", "none", "required", {"type": "function", "function": {"name": "f"}}]),
                                             _junk),
                                         "parallel_tool_calls": st.one_of(st.booleans(), _junk),
-                                        "add_generation_prompt": st.one_of(st.booleans(), _junk)})
+                                        "add_generation_prompt": st.one_of(st.booleans(), _junk),
+                                        "chat_template_kwargs": st.one_of(st.dictionaries(st.sampled_from(
+                                            ["enable_thinking", "tokenize", "tools", "x"]), _junk, max_size=2), _junk),
+                                        "enable_thinking": st.one_of(st.booleans(), _junk),
+                                        "include_reasoning": st.one_of(st.booleans(), _junk)})
+_tokenize = st.fixed_dictionaries({}, optional={
+    "model": st.one_of(st.just("tiny"), _text), "prompt": _text, "messages": st.one_of(st.lists(_message, max_size=2), _junk),
+    "add_special_tokens": st.one_of(st.booleans(), _junk), "add_generation_prompt": st.one_of(st.booleans(), _junk),
+    "continue_final_message": st.one_of(st.booleans(), _junk), "return_token_strs": st.one_of(st.booleans(), _junk),
+    "chat_template_kwargs": _junk, "tools": st.one_of(st.lists(_tool, max_size=1), _junk)})
+_detokenize = st.fixed_dictionaries({"tokens": st.one_of(st.lists(_small_int, max_size=6), _junk)},
+                                    optional={"model": st.one_of(st.just("tiny"), _text)})
 _request = st.one_of(st.tuples(st.just("/v1/completions"), _completion),
-                     st.tuples(st.just("/v1/chat/completions"), _chat))
+                     st.tuples(st.just("/v1/chat/completions"), _chat),
+                     st.tuples(st.just("/tokenize"), _tokenize), st.tuples(st.just("/detokenize"), _detokenize))
 
 
 def check_answer(client: httpx.Client, path: str, raw: bytes) -> int:
@@ -129,6 +186,9 @@ def check_answer(client: httpx.Client, path: str, raw: bytes) -> int:
         for e in events[:-1]:
             chunk = json.loads(e[6:])
             assert "error" not in chunk, (raw[:300], chunk)
+    elif path in ("/tokenize", "/detokenize"):
+        body = json.loads(content)
+        assert set(body) in ({"count", "max_model_len", "tokens", "token_strs"}, {"prompt"}), raw[:300]
     else:
         assert json.loads(content)["choices"], raw[:300]
     return 200
