@@ -38,8 +38,9 @@ def test_tokenize_messages_with_the_chat_template(server, tokenizer):
     bare = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
     assert bare["count"] < body["count"] and body["tokens"][:bare["count"]] == bare["tokens"]
     # the same count a chat completion reports as its prompt tokens
-    done = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()
-    assert done["usage"]["prompt_tokens"] == body["count"]
+    done = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert done.status_code == 200, done.text
+    assert done.json()["usage"]["prompt_tokens"] == body["count"]
 
 
 @pytest.mark.parametrize("path,body,status,param", [
