@@ -60,6 +60,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", choices=sorted(REASONING_FORMATS), default=None,
                    help="return a reasoning model's thinking as reasoning_content, and apply response_format / "
                         "tool grammars from the end of the thinking on")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served as models of their own, selected by model=NAME "
+                        "(needs --enable-lora)")
+    g.add_argument("--enable-lora-runtime-updates", action="store_true",
+                   help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (loading only from --lora-allowed-dir)")
+    g.add_argument("--lora-allowed-dir", action="append", default=[], metavar="DIR",
+                   help="a folder runtime-loaded adapters may come from (repeatable)")
     g.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection has to send a request's headers, from opening or from its "
                         "previous response, however slowly it sends them (then it is closed)")
@@ -89,6 +96,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args, name: str):
     from specdec.server.app import ServerSettings
+    from specdec.server.lora_models import parse_lora_modules
 
     for flag in ("max_connections", "max_header_bytes"):
         if getattr(args, flag) < 1:
@@ -110,7 +118,10 @@ def settings_from_args(args, name: str):
                           shutdown_timeout=args.shutdown_timeout, engine_stop_timeout=args.shutdown_timeout + 10.0,
                           enable_docs=args.enable_docs, tool_call_parser=args.tool_call_parser,
                           reasoning_parser=args.reasoning_parser,
-                          allowed_hosts=[h for h in args.allowed_hosts.split(",") if h.strip()])
+                          allowed_hosts=[h for h in args.allowed_hosts.split(",") if h.strip()],
+                          lora_modules=parse_lora_modules(args.lora_modules),
+                          enable_lora_runtime_updates=args.enable_lora_runtime_updates,
+                          lora_allowed_dirs=list(args.lora_allowed_dir))
 
 
 def cmd_serve(args) -> int:
