@@ -1,6 +1,7 @@
 """Architecture name (config.json "architectures") -> model class."""
 from __future__ import annotations
 
+from specdec.models.deepseek_v3 import DeepseekV3ForCausalLM
 from specdec.models.gemma3 import Gemma3ForCausalLM
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.mistral import MistralForCausalLM
@@ -15,6 +16,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 
