@@ -13,6 +13,13 @@ over the cached rows: query ``[q_lat, q_rope]`` [T, H, R + r] against keys = the
 through W_UV. Scores equal ``q_nope . k_nope + q_rope . k_rope`` of the uncompressed form, since
 ``k_nope = W_UK c_kv``.
 
+Expanded form (``mla_attention_expanded``, long prefill chunks): the cached latents of each request
+are projected to per-head keys ``[W_UK c_kv, k_rope]`` and values ``W_UV c_kv`` and attended as
+usual. Per (query row, key) pair it costs H (d_nope + r + d_v) multiply-adds against the absorbed
+form's H (2R + r), plus H R (d_nope + d_v) per key for the projection: it is cheaper once a
+request's query rows number more than ``expanded_form_min_rows`` (DeepSeek-V3's dimensions: 171),
+which only prefill chunks reach; decode and verification rows stay absorbed.
+
 Masks follow ``specdec.layers.attention``: causal, bottom-right aligned per request, so prefill
 chunks, prefix hits, decode rows and K+1 verification rows mix in one call; token trees through
 ``AttentionMetadata.tree_masks``. ``mla_attention_reference`` is the per-request oracle;
@@ -105,3 +112,42 @@ def mla_attention(
     out = out.view(num_reqs, num_heads, q_len, latent_dim).transpose(1, 2).reshape(-1, num_heads, latent_dim)
     out = out.to(query.dtype)
     return out if plan.padded is None else out.index_select(0, plan.padded[0])
+
+
+def expanded_form_min_rows(latent_dim: int, rope_dim: int, nope_dim: int, v_dim: int) -> int:
+    """The query rows per request from which the expanded form takes fewer multiply-adds: q rows
+    against L keys cost L q (2R + r) absorbed, L R (d_nope + d_v) + L q (d_nope + r + d_v) expanded."""
+    saved_per_pair = 2 * latent_dim + rope_dim - (nope_dim + rope_dim + v_dim)
+    if saved_per_pair <= 0:
+        return 1 << 30  # never cheaper
+    return -(-latent_dim * (nope_dim + v_dim) // saved_per_pair)
+
+
+def mla_attention_expanded(
+    q_nope: torch.Tensor,  # [num_tokens, num_heads, nope_dim]
+    q_rope: torch.Tensor,  # [num_tokens, num_heads, rope_dim], rotated
+    kv_cache: torch.Tensor,  # [1, num_blocks, block_size, 1, latent_dim + rope_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    w_uk: torch.Tensor,  # [num_heads, nope_dim, latent_dim]
+    w_uv: torch.Tensor,  # [num_heads, v_dim, latent_dim]
+) -> torch.Tensor:  # [num_tokens, num_heads, v_dim]
+    """Attention with every request's cached latents expanded to per-head keys and values (meant
+    for steps of long prefill chunks of one query length; any step is computed right)."""
+    if meta.uniform_query_len is None:
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
+        for rows, sub in meta.query_len_groups():
+            out[rows] = mla_attention_expanded(q_nope[rows], q_rope[rows], kv_cache, sub, scale, w_uk, w_uv)
+        return out
+    plan = _torch_plan(meta, None)
+    num_reqs, num_heads, latent_dim = meta.num_reqs, q_nope.shape[1], w_uk.shape[2]
+    q_len, key_len = plan.q_len, plan.key_len
+    rows = _gather(kv_cache[0], plan, "mla_latent").view(num_reqs, -1, kv_cache.shape[-1])[:, :key_len]
+    latent, k_rope = rows[..., :latent_dim], rows[..., latent_dim:]  # [R, L, latent], [R, L, r]
+    k_nope = torch.einsum("blr,hnr->bhln", latent, w_uk)  # [R, H, L, d_nope]
+    keys = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, num_heads, -1, -1)], dim=-1)
+    values = torch.einsum("blr,hvr->bhlv", latent, w_uv)  # [R, H, L, d_v]
+    query = torch.cat([q_nope, q_rope], dim=-1).view(num_reqs, q_len, num_heads, -1).transpose(1, 2)
+    mask = None if plan.bias is None else plan.bias.view(num_reqs, 1, q_len, key_len).to(query.dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).reshape(num_reqs * q_len, num_heads, -1)  # [T, H, d_v]

@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.layers.attention import REFERENCE_BACKEND, AttentionBackend, AttentionMetadata
-from specdec.layers.mla import latent_cache_shape, mla_attention, write_latent
+from specdec.layers.mla import (
+    expanded_form_min_rows, latent_cache_shape, mla_attention, mla_attention_expanded, write_latent,
+)
 from specdec.layers.norm import RMSNorm
 from specdec.layers.rotary import _yarn_factor, _yarn_mscale, rotate
 from specdec.models.llama import LlamaForCausalLM, _cfg, _copy_checked, _rope_params
@@ -67,6 +69,8 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
         self.scale = softmax_scale(config)
         self.num_kv_heads, self.head_dim = 1, self.rope_dim  # one shared rotary key
+        # a request's query rows from which its attention runs expanded (``specdec.layers.mla``)
+        self.expanded_min_rows = expanded_form_min_rows(self.latent_dim, self.rope_dim, self.nope_dim, self.v_dim)
 
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, d_nope, R], W_UV [H, d_v, R]): views of ``kv_b_proj``'s weight."""
@@ -81,12 +85,26 @@ class MLAAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(hidden).split([self.latent_dim, self.rope_dim], dim=-1)
         k_rope = rotate(k_rope.reshape(num_tokens, 1, self.rope_dim), *rope).view(num_tokens, self.rope_dim)
         write_latent(torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1), kv_cache, meta.slot_mapping)
+        q_rope = rotate(q_rope.contiguous(), *rope)
+        if meta.max_query_len < self.expanded_min_rows:
+            out = self._absorbed(q_nope, q_rope, kv_cache, meta)
+        else:  # long prefill chunks expanded, the step's other rows absorbed
+            out = q_nope.new_empty(num_tokens, self.num_heads, self.v_dim)
+            groups = meta.query_len_groups() if meta.uniform_query_len is None else [(slice(None), meta)]
+            for rows, sub in groups:
+                if sub.query_lens[0] >= self.expanded_min_rows:
+                    out[rows] = mla_attention_expanded(q_nope[rows], q_rope[rows], kv_cache, sub, self.scale,
+                                                       *self.up_projections())
+                else:
+                    out[rows] = self._absorbed(q_nope[rows], q_rope[rows], kv_cache, sub)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+
+    def _absorbed(self, q_nope, q_rope, kv_cache, meta) -> torch.Tensor:  # [T, H, d_v]
         w_uk, w_uv = self.up_projections()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
-        query = torch.cat([q_latent, rotate(q_rope.contiguous(), *rope)], dim=-1)  # [T, H, R + r]
+        query = torch.cat([q_latent, q_rope], dim=-1)  # [T, H, R + r]
         out = mla_attention(query, kv_cache, meta, self.scale, self.latent_dim)  # [T, H, R]
-        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, d_v]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+        return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
 class SwiGLU(nn.Module):

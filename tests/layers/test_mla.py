@@ -4,7 +4,10 @@ import pytest
 import torch
 
 from specdec.layers.attention import AttentionMetadata
-from specdec.layers.mla import latent_cache_shape, mla_attention, mla_attention_reference, write_latent
+from specdec.layers.mla import (
+    expanded_form_min_rows, latent_cache_shape, mla_attention, mla_attention_expanded, mla_attention_reference,
+    write_latent,
+)
 
 HEADS, LATENT, ROPE, NOPE, V = 4, 16, 8, 8, 12
 
@@ -77,3 +80,26 @@ def test_absorbed_equals_expanded():
     mask = torch.ones(q_len, q_len, dtype=torch.bool).tril()
     expected = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     torch.testing.assert_close(out, expected.transpose(0, 1), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_expanded_equals_absorbed(tree):
+    """The expanded form (long prefill chunks) gives the absorbed form's output on a mixed step:
+    a long chunk after a prefix hit, decode rows, and a tree or a verification run."""
+    node_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    masks = [None, None, (5, node_mask)] if tree else None
+    gen = torch.Generator().manual_seed(3)
+    _, cache, meta, _ = _setup([30, 1, 3], [6, 9, 5], 8, tree_masks=masks)
+    w_uk, w_uv = torch.randn(HEADS, NOPE, LATENT, generator=gen), torch.randn(HEADS, V, LATENT, generator=gen)
+    q_nope, q_rope = torch.randn(34, HEADS, NOPE, generator=gen), torch.randn(34, HEADS, ROPE, generator=gen)
+    absorbed = mla_attention(torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope], -1), cache, meta,
+                             0.3, LATENT)
+    expected = torch.einsum("thr,hvr->thv", absorbed, w_uv)
+    out = mla_attention_expanded(q_nope, q_rope, cache, meta, 0.3, w_uk, w_uv)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_expanded_form_threshold():
+    assert expanded_form_min_rows(512, 64, 128, 128) == 171  # DeepSeek-V3: only prefill chunks
+    assert expanded_form_min_rows(16, 8, 8, 12) == 27  # the tiny test model
+    assert expanded_form_min_rows(4, 2, 16, 16) > 1 << 20  # bigger heads than the latent: never
