@@ -48,6 +48,16 @@ def softmax_scale(config) -> float:
     return scale
 
 
+class LatentUpProjection(nn.Module):
+    """``kv_b_proj``'s weight [H (d_nope + d_v), R], read as W_UK / W_UV views by the absorbed and
+    expanded attention forms; not an ``nn.Linear`` on purpose, so weight-format transforms (which
+    repack linears for their kernels) leave it readable."""
+
+    def __init__(self, latent_dim: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, latent_dim))
+
+
 class MLAAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -65,7 +75,7 @@ class MLAAttention(nn.Module):
             self.q_b_proj = nn.Linear(self.q_lora_rank, q_out, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.latent_dim + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.latent_dim)
-        self.kv_b_proj = nn.Linear(self.latent_dim, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.kv_b_proj = LatentUpProjection(self.latent_dim, self.num_heads * (self.nope_dim + self.v_dim))
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
         self.scale = softmax_scale(config)
         self.num_kv_heads, self.head_dim = 1, self.rope_dim  # one shared rotary key
@@ -133,12 +143,13 @@ class DeepseekRouter(nn.Module):
             raise ValueError(f"n_routed_experts ({self.num_experts}) must divide into n_group ({self.num_groups})")
         self.norm_topk_prob = bool(_cfg(config, "norm_topk_prob", True))
         self.routed_scaling_factor = float(_cfg(config, "routed_scaling_factor", 1.0))
-        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts))
+        # float32 whatever the model's dtype, as trained: a rounded router or bias changes which experts run
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
-        biased = scores + self.e_score_correction_bias.float()  # for the choice only
+        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
+        biased = scores + self.e_score_correction_bias  # for the choice only
         if self.num_groups > 1:  # a group's score: the sum of its two best biased scores
             grouped = biased.view(-1, self.num_groups, self.num_experts // self.num_groups)
             best = torch.topk(grouped.topk(2, dim=-1)[0].sum(-1), self.topk_groups, dim=-1, sorted=False)[1]

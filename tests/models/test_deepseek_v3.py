@@ -13,7 +13,7 @@ from family_parity import (
     ENGINE, HFGreedy, check_plain_chunked_and_prefix_cached, check_preemption, check_speculative,
 )
 
-from specdec import LLM
+from specdec import LLM, SamplingParams
 from specdec.worker.model_runner import ModelRunner
 
 NUM_NEW = 16
@@ -158,3 +158,16 @@ def test_speculation_is_greedy_identical(method, target, small_draft, reference,
     }[method]()
     ragged, _ = batch
     check_speculative(target, ragged, reference, MAX_MODEL_LEN, spec, expect_accepted=method != "small_draft")
+
+
+def test_bf16_keeps_the_router_in_float32(target, reference, batch):
+    """In bf16 the routers and correction biases stay float32, the latent cache is bf16, and the
+    weight-format transforms leave kv_b_proj readable; the first greedy tokens match float32's."""
+    llm = LLM(model=target, dtype="bfloat16", device="cpu", max_model_len=MAX_MODEL_LEN)
+    runner = llm.engine.executor.driver_worker.runner
+    gate = runner.model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert runner.kv_caches[0].dtype == torch.bfloat16 and runner.kv_caches[0].shape[-1] == 16 + 8
+    ragged, _ = batch
+    outs = llm.generate(ragged[:3], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert sum(o.outputs[0].token_ids[:2] == reference(p)[:2] for o, p in zip(outs, ragged[:3])) >= 2
