@@ -34,6 +34,7 @@ from specdec.layers.attention import REFERENCE_BACKEND, AttentionBackend, Attent
 from specdec.layers.mla import (
     expanded_form_min_rows, latent_cache_shape, mla_attention, mla_attention_expanded, write_latent,
 )
+from specdec.layers.moe import Expert, Routing, SparseMoE
 from specdec.layers.norm import RMSNorm
 from specdec.layers.rotary import _yarn_factor, _yarn_mscale, rotate
 from specdec.models.llama import LlamaForCausalLM, _cfg, _copy_checked, _rope_params
@@ -117,20 +118,6 @@ class MLAAttention(nn.Module):
         return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate) * up) with gate and up fused into one [2I, H] linear (gate first)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class DeepseekRouter(nn.Module):
     """x [T, H] -> (weights [T, k] float32, expert ids [T, k]); the router runs in float32."""
 
@@ -147,7 +134,7 @@ class DeepseekRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> Routing:
         scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
         biased = scores + self.e_score_correction_bias  # for the choice only
         if self.num_groups > 1:  # a group's score: the sum of its two best biased scores
@@ -159,34 +146,23 @@ class DeepseekRouter(nn.Module):
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, ids
+        return Routing(weights * self.routed_scaling_factor, ids)
 
 
 class DeepseekMoE(nn.Module):
-    """Routed experts run grouped by expert (each touched expert once per step, in increasing id,
-    on all of its rows) plus the shared experts."""
+    """The routed experts (a ``SparseMoE``: each touched expert runs once per step on all of its
+    rows) plus the shared experts. The checkpoint's ``mlp.gate`` / ``mlp.experts`` live in
+    ``routed``, so the weight-format transforms that replace a ``SparseMoE`` keep the shared ones."""
 
     def __init__(self, config):
         super().__init__()
         hidden, size = config.hidden_size, config.moe_intermediate_size
-        self.gate = DeepseekRouter(config)
-        self.experts = nn.ModuleList(SwiGLU(hidden, size) for _ in range(config.n_routed_experts))
-        self.shared_experts = SwiGLU(hidden, size * config.n_shared_experts) \
-            if _cfg(config, "n_shared_experts", 0) else None
+        self.routed = SparseMoE(DeepseekRouter(config), [Expert(hidden, size) for _ in range(config.n_routed_experts)])
+        shared = _cfg(config, "n_shared_experts", 0)
+        self.shared_experts = Expert(hidden, size * shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        top_k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (row, choice) pairs grouped by expert
-        out, start = torch.zeros_like(x), 0
-        for expert_id, count in enumerate(torch.bincount(flat, minlength=len(self.experts)).tolist()):
-            if count:
-                pairs = order[start:start + count]
-                start += count
-                rows = pairs // top_k
-                y = self.experts[expert_id](x[rows]) * weights.reshape(-1)[pairs, None]
-                out.index_add_(0, rows, y.to(x.dtype))
+        out = self.routed(x)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
@@ -196,7 +172,7 @@ class DeepseekDecoderLayer(nn.Module):
         eps = _cfg(config, "rms_norm_eps", 1e-6)
         self.self_attn = MLAAttention(config)
         dense = layer_idx < _cfg(config, "first_k_dense_replace", 0) or not _cfg(config, "n_routed_experts", 0)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size) if dense else DeepseekMoE(config)
+        self.mlp = Expert(config.hidden_size, config.intermediate_size) if dense else DeepseekMoE(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
@@ -245,6 +221,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             if "rotary_emb.inv_freq" in name or (layer and int(layer.group(1)) >= num_layers):
                 continue  # MTP layers: read by the ``mtp`` method
             tensor = self._deinterleave_rope(name, tensor)
+            name = name.replace(".mlp.gate.", ".mlp.routed.gate.").replace(".mlp.experts.", ".mlp.routed.experts.")
             for part, shard in (("gate_proj", 0), ("up_proj", 1)):
                 if f".{part}." in name:
                     name = name.replace(f".{part}.", ".gate_up_proj.")

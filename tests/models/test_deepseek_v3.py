@@ -101,9 +101,11 @@ def test_logits_match_transformers_and_routing_varies(target, batch):
     model = load_model(target, torch.float32, torch.device("cpu"))
     hidden = torch.randn(64, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     for layer in model.layers[1:]:
-        weights, ids = layer.mlp.gate(hidden)
-        assert len(ids.unique()) >= 6  # rows reach most experts
-        unbiased = torch.sigmoid(hidden @ layer.mlp.gate.weight.t()).topk(2, dim=-1)[1]
+        routing = layer.mlp.routed.gate(hidden)
+        weights, ids = routing.weights, routing.expert_ids
+        layer.mlp.routed(hidden)
+        assert layer.mlp.routed.stats.last_experts_read == len(ids.unique()) >= 6  # each read once; most reached
+        unbiased = torch.sigmoid(hidden @ layer.mlp.routed.gate.weight.t()).topk(2, dim=-1)[1]
         # the correction bias (and the group limit) changes some choices: a negative control
         assert (ids.sort(-1)[0] != unbiased.sort(-1)[0]).any(-1).float().mean() > 0.1
         torch.testing.assert_close(weights.sum(-1), torch.full((64,), 2.5))  # normalised, then scaled
@@ -165,7 +167,7 @@ def test_bf16_keeps_the_router_in_float32(target, reference, batch):
     weight-format transforms leave kv_b_proj readable; the first greedy tokens match float32's."""
     llm = LLM(model=target, dtype="bfloat16", device="cpu", max_model_len=MAX_MODEL_LEN)
     runner = llm.engine.executor.driver_worker.runner
-    gate = runner.model.layers[1].mlp.gate
+    gate = runner.model.layers[1].mlp.routed.gate
     assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
     assert runner.kv_caches[0].dtype == torch.bfloat16 and runner.kv_caches[0].shape[-1] == 16 + 8
     ragged, _ = batch
