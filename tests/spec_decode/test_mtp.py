@@ -1,7 +1,9 @@
 """``"method": "mtp"``: a tiny DeepSeek-V3 target whose checkpoint carries an MTP layer (written
 here: transformers' DeepSeek-V3 does not build one), greedy speculative output identical to plain
-decoding for K = 1..4 (K > 1 chains the one layer) and a token tree; a target without MTP weights
-is refused with a clear error."""
+decoding for K = 1..4 (K > 1 chains the one layer) and a token tree; sampled output follows the
+target's exact distribution (chi-square, as in test_spec_distribution.py: N = 4000 3-token
+continuations at temperature 1, alpha 1e-3, a 15% temperature error as the negative control);
+a target without MTP weights is refused with a clear error."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +18,7 @@ DS = dict(arch="deepseek_v3", num_layers=2, num_heads=4, num_kv_heads=4, moe_int
           first_k_dense_replace=1, initializer_range=0.05, random_norms_and_biases=True)
 
 
-def _add_mtp_layer(path: str, seed: int) -> str:
+def _add_mtp_layer(path: str, seed: int, num_layers: int = DS["num_layers"]) -> str:
     """Write model.layers.{L}, in place: the last decoder block's weights, random enorm / hnorm,
     the final norm as shared_head.norm, and an eh_proj that passes the next token's embedding
     through plus a little of h (so its drafts are sometimes right)."""
@@ -26,7 +28,7 @@ def _add_mtp_layer(path: str, seed: int) -> str:
 
     file = Path(path) / "model.safetensors"
     weights = load_file(str(file))
-    num_layers, hidden = DS["num_layers"], weights["model.embed_tokens.weight"].shape[1]
+    hidden = weights["model.embed_tokens.weight"].shape[1]
     gen = torch.Generator().manual_seed(seed)
     last = f"model.layers.{num_layers - 1}."
     mtp = f"model.layers.{num_layers}."
@@ -136,3 +138,24 @@ def test_head_matches_a_transformers_built_mtp_layer(target, prompts):
         expected = hf.lm_head(norms["shared_head.norm"](out))
     torch.testing.assert_close(hidden[:-1], h, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_sampled_output_follows_the_target(make_model, make_char_tokenizer):
+    import numpy as np
+    from test_spec_distribution import ALPHA, K, PROMPT, chi_square_p, exact_joint, sample_continuations
+
+    tok = make_char_tokenizer()
+    shape = dict(DS, vocab_size=len(tok), hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64,
+                 tokenizer=tok, seed=31)
+    target = _add_mtp_layer(make_model("deepseek_v3_mtp_chars", **shape), seed=2)
+    llm = LLM(model=target, dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1000,
+              max_num_batched_tokens=8192, speculative_config={"method": "mtp", "num_speculative_tokens": K})
+    vocab, prompt_ids, num_samples = llm.engine.vocab_size, llm.tokenizer.encode(PROMPT), 4000
+    counts = np.zeros((vocab,) * 3, dtype=np.int64)
+    for token_ids in sample_continuations(llm, prompt_ids, num_samples, 80_000, dict(temperature=1.0)):
+        counts[tuple(token_ids[:3])] += 1
+    m = llm.get_metrics()
+    assert m["num_draft_tokens"] > num_samples and 0.02 < m["acceptance_rate"] < 0.9
+    full = dict(temperature=1.0, top_k=0, top_p=1.0)
+    assert chi_square_p(counts, exact_joint(target, prompt_ids, vocab, **full)) > ALPHA
+    assert chi_square_p(counts, exact_joint(target, prompt_ids, vocab, **dict(full, temperature=1.15))) < ALPHA
