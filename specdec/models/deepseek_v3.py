@@ -154,10 +154,10 @@ class DeepseekMoE(nn.Module):
     rows) plus the shared experts. The checkpoint's ``mlp.gate`` / ``mlp.experts`` live in
     ``routed``, so the weight-format transforms that replace a ``SparseMoE`` keep the shared ones."""
 
-    def __init__(self, config):
+    def __init__(self, config, router_class: type[nn.Module]):
         super().__init__()
         hidden, size = config.hidden_size, config.moe_intermediate_size
-        self.routed = SparseMoE(DeepseekRouter(config), [Expert(hidden, size) for _ in range(config.n_routed_experts)])
+        self.routed = SparseMoE(router_class(config), [Expert(hidden, size) for _ in range(config.n_routed_experts)])
         shared = _cfg(config, "n_shared_experts", 0)
         self.shared_experts = Expert(hidden, size * shared) if shared else None
 
@@ -167,12 +167,12 @@ class DeepseekMoE(nn.Module):
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, router_class: type[nn.Module] = DeepseekRouter):
         super().__init__()
         eps = _cfg(config, "rms_norm_eps", 1e-6)
         self.self_attn = MLAAttention(config)
         dense = layer_idx < _cfg(config, "first_k_dense_replace", 0) or not _cfg(config, "n_routed_experts", 0)
-        self.mlp = Expert(config.hidden_size, config.intermediate_size) if dense else DeepseekMoE(config)
+        self.mlp = Expert(config.hidden_size, config.intermediate_size) if dense else DeepseekMoE(config, router_class)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
@@ -191,13 +191,16 @@ _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    router_class: type[nn.Module] = DeepseekRouter
+    rope_interleave = False  # the config's ``rope_interleave`` when it has one, else this
+
     def __init__(self, config, attn_backend: AttentionBackend = REFERENCE_BACKEND):
         if _cfg(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         super().__init__(config, attn_backend)
 
     def make_layer(self, config, layer_idx: int, qkv_bias: bool, attn_backend: AttentionBackend) -> nn.Module:
-        return DeepseekDecoderLayer(config, layer_idx)
+        return DeepseekDecoderLayer(config, layer_idx, self.router_class)
 
     @property
     def rotary_dim(self) -> int:
@@ -248,7 +251,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         """Rows of the rotary outputs reordered from pairs (x0, x1), (x2, x3) ... to (x0, x2, ...,
         x1, x3, ...): rotate-half rotary then computes what interleaved rotary computes."""
         config = self.config
-        if not _cfg(config, "rope_interleave", False):
+        if not _cfg(config, "rope_interleave", self.rope_interleave):
             return tensor
         rope, nope = config.qk_rope_head_dim, config.qk_nope_head_dim
         perm = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])

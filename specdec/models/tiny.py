@@ -22,6 +22,7 @@ _ARCHS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
 }
 
 

@@ -40,7 +40,8 @@ class MTPHead(nn.Module):
         hidden, eps = config.hidden_size, _cfg(config, "rms_norm_eps", 1e-6)
         self.enorm, self.hnorm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layers = nn.ModuleList([DeepseekDecoderLayer(target.config, target.config.num_hidden_layers)])
+        self.layers = nn.ModuleList([DeepseekDecoderLayer(target.config, target.config.num_hidden_layers,
+                                                         target.router_class)])
         self.shared_head_norm = RMSNorm(hidden, eps)
         self.target = [target]  # a list so the target is not a submodule
 
@@ -82,7 +83,7 @@ class MTPHead(nn.Module):
             if name not in own:
                 raise ValueError(f"the target's MTP layer is missing {prefix}{name.replace('_norm', '.norm')}")
             params[name].data.copy_(own[name])
-        _BlockShim(self.layers, self.config).load_weights(block)
+        _BlockShim(self.layers, self.config, self.target[0].rope_interleave).load_weights(block)
 
 
 class _BlockShim(nn.Module):
@@ -92,9 +93,9 @@ class _BlockShim(nn.Module):
     _param = DeepseekV3ForCausalLM._param
     _deinterleave_rope = DeepseekV3ForCausalLM._deinterleave_rope
 
-    def __init__(self, layers: nn.ModuleList, config):
+    def __init__(self, layers: nn.ModuleList, config, rope_interleave: bool):
         super().__init__()
-        self.layers, self.config = layers, config
+        self.layers, self.config, self.rope_interleave = layers, config, rope_interleave
 
 
 class MTPProposer(EagleProposer):

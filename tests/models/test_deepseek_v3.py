@@ -38,7 +38,8 @@ def _route_widely(path: str, seed: int) -> str:
         for name, module in model.named_modules():
             if name.endswith("mlp.gate"):
                 module.weight.mul_(20.0)
-                module.e_score_correction_bias.copy_(0.5 * torch.randn(module.weight.shape[0], generator=gen))
+                if hasattr(module, "e_score_correction_bias"):  # DeepSeek-V3's; V2 has none
+                    module.e_score_correction_bias.copy_(0.5 * torch.randn(module.weight.shape[0], generator=gen))
     model.save_pretrained(path)
     return path
 
