@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.engine.request import TokenSequence
+from specdec.lora.request import LoRARequest
 from specdec.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ class CachedRequestState(TokenSequence):
     block_ids: list[int] = field(default_factory=list)  # the scheduler's, this step
     spec_depth: int = 0  # this step's planned tree depth (0: the proposer's own)
     grammar: GrammarState | None = None  # structured output: the request's matcher (the worker's)
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
