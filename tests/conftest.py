@@ -183,3 +183,50 @@ def make_copy_with_eos():
 @pytest.fixture(scope="session")
 def make_char_tokenizer():
     return char_tokenizer
+
+
+# A DeepSeek-R1 / Qwen3-style thinking template: the generation prompt opens the reasoning
+# (`<think>\n`), or closes it at once when the caller passes enable_thinking=False.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|bos|>assistant: <think>\n"
+    "{% if enable_thinking is defined and not enable_thinking %}\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def thinking_model_path(tiny_tokenizer, tmp_path_factory) -> str:
+    """A tiny Qwen3 whose tokenizer has `<think>` / `</think>` as single tokens and whose
+    template thinks. A random model would never write `</think>`: its lm_head row is made a
+    multiple of the row of a token greedy decoding of "def f(x):" picks a few steps in, so
+    greedy decoding closes the reasoning after some thinking, and the answer follows."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from specdec.models.tiny import make_tiny_model
+
+    base = tmp_path_factory.mktemp("thinking_tok")
+    tiny_tokenizer.save_pretrained(base)
+    tok = transformers.AutoTokenizer.from_pretrained(base)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = THINKING_TEMPLATE
+    out = make_tiny_model(tmp_path_factory.mktemp("thinking"), arch="qwen3", tokenizer=tok, seed=5)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = tok.apply_chat_template([{"role": "user", "content": "def f(x):"}], add_generation_prompt=True)
+    ids = torch.tensor([list(ids["input_ids"] if hasattr(ids, "keys") else ids)])
+    end = tok.convert_tokens_to_ids("</think>")
+    head = model.lm_head.weight
+    with torch.no_grad():
+        greedy = model.generate(ids, max_new_tokens=12, do_sample=False).tolist()[0][ids.shape[1]:]
+        for step, scale in ((s, c) for s in range(3, 10) for c in (1.1, 1.5, 2.0)):
+            head[end] = scale * head[greedy[step]]
+            new = model.generate(ids, max_new_tokens=12, do_sample=False).tolist()[0][ids.shape[1]:]
+            if end in new and new.index(end) >= 3:
+                break
+        else:
+            raise AssertionError("no lm_head row for </think> closes the reasoning after some thinking")
+    file = next(Path(out).glob("*.safetensors"))
+    weights = load_file(str(file))
+    weights["lm_head.weight"][end] = head[end].clone()
+    save_file(weights, str(file), metadata={"format": "pt"})
+    return str(out)

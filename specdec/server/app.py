@@ -34,9 +34,11 @@ from specdec.server.metrics import ServerMetrics
 from specdec.server.openapi import GENERATION_ROUTES, error_responses, generation_responses, install_openapi
 from specdec.server.prepare import Preparer, max_token_chars
 from specdec.server.protocol import APIError
+from specdec.server.reasoning import get_reasoning_parser
 from specdec.server.request_body import read_body
 from specdec.server.response_models import Health, ModelList, Version
 from specdec.server.serving import OpenAIServing
+from specdec.server.tokenize import Tokenization
 from specdec.server.tokenizer_pool import TokenizerPool
 from specdec.tool_parsers import get_tool_parser, parser_for_template
 
@@ -60,6 +62,7 @@ class ServerSettings:
     enable_docs: bool = False  # /docs, /redoc, /openapi.json
     allowed_hosts: list[str] = field(default_factory=list)  # empty: any Host header
     tool_call_parser: str | None = None  # None: the one the chat template's format implies, if any
+    reasoning_parser: str | None = None  # reasoning.py: thinking -> reasoning_content; None: all is content
     on_engine_death: Callable[[], None] | None = None  # event-loop thread; cli.py exits non-zero
     # LoRA (an engine with enable_lora): adapters served as models, [(name, PEFT folder)]; runtime
     # loading (/v1/load_lora_adapter, /v1/unload_lora_adapter) only from inside lora_allowed_dirs
@@ -84,10 +87,13 @@ def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
     pool = TokenizerPool(engine.tokenizer, settings.tokenizer_workers, settings.max_pending_prepares)
     tool_parser = (get_tool_parser(settings.tool_call_parser) if settings.tool_call_parser
                    else parser_for_template(getattr(engine.tokenizer, "chat_template", None)))
+    reasoning_parser = (get_reasoning_parser(settings.reasoning_parser, engine.tokenizer)
+                        if settings.reasoning_parser else None)
     lora_models = _lora_models(engine, settings)
     preparer = Preparer(settings.limits, [settings.model_name], engine.max_model_len, engine.vocab_size,
                         admission.capacity, max_token_chars(engine.tokenizer), engine.validate_prompt,
-                        engine.compile_grammar, tool_parser, lora_models=lora_models)
+                        engine.compile_grammar, tool_parser, lora_models=lora_models,
+                        reasoning_parser=reasoning_parser)
     serving = OpenAIServing(async_engine, admission, preparer, pool, settings.write_timeout)
     started = int(time.time())
     limits = settings.limits
@@ -101,8 +107,9 @@ def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
             async_engine.on_death = lambda: loop.call_soon_threadsafe(settings.on_engine_death)
         app.state.loop = loop
         async_engine.start()
-        logger.info("engine thread started; serving %r; tool-call parser: %s", settings.model_name,
-                    tool_parser.name if tool_parser else "none")
+        logger.info("engine thread started; serving %r; tool-call parser: %s; reasoning parser: %s",
+                    settings.model_name, tool_parser.name if tool_parser else "none",
+                    reasoning_parser.name if reasoning_parser else "none")
         try:
             yield
         finally:
@@ -169,6 +176,18 @@ def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
     async def chat_completions(request: Request):
         body = await read_body(request, limits.max_body_bytes, limits.body_timeout)
         return await serving.chat(body, request)
+
+    tokenization = Tokenization(preparer.check_model, limits, engine.max_model_len, engine.vocab_size)
+
+    @app.post("/tokenize", dependencies=v1)
+    async def tokenize(request: Request):
+        body = await read_body(request, limits.max_body_bytes, limits.body_timeout)
+        return await pool.run(tokenization.tokenize, body)
+
+    @app.post("/detokenize", dependencies=v1)
+    async def detokenize(request: Request):
+        body = await read_body(request, limits.max_body_bytes, limits.body_timeout)
+        return await pool.run(tokenization.detokenize, body)
 
     @app.get("/v1/models", dependencies=v1, responses={200: {"model": ModelList}, **error_responses(401)})
     async def models():

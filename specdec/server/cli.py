@@ -15,6 +15,7 @@ from specdec.cli import add_engine_args, make_llm
 from specdec.server.admission import POLICIES
 from specdec.server.limits import RequestLimits
 from specdec.server.memory import limit_malloc_arenas
+from specdec.server.reasoning import FORMATS as REASONING_FORMATS
 from specdec.tool_parsers import PARSERS
 
 
@@ -54,8 +55,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated Host header names to accept (e.g. localhost,127.0.0.1); default: any")
     g.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
     g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
-                   help="the format the model writes tool calls in (default: the one its chat template shows: "
-                        "<tool_call> tags -> hermes, Llama 3 markers -> llama3_json)")
+                   help="the format the model writes tool calls in, for tool_choice auto (default: the one its "
+                        "chat template shows, if any); required / named tools work without one")
+    g.add_argument("--reasoning-parser", choices=sorted(REASONING_FORMATS), default=None,
+                   help="return a reasoning model's thinking as reasoning_content, and apply response_format / "
+                        "tool grammars from the end of the thinking on")
     g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) served as models of their own, selected by model=NAME "
                         "(needs --enable-lora)")
@@ -113,6 +117,7 @@ def settings_from_args(args, name: str):
                           tokenizer_workers=args.tokenizer_workers, max_pending_prepares=args.max_pending_prepares,
                           shutdown_timeout=args.shutdown_timeout, engine_stop_timeout=args.shutdown_timeout + 10.0,
                           enable_docs=args.enable_docs, tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser,
                           allowed_hosts=[h for h in args.allowed_hosts.split(",") if h.strip()],
                           lora_modules=parse_lora_modules(args.lora_modules),
                           enable_lora_runtime_updates=args.enable_lora_runtime_updates,

@@ -40,6 +40,40 @@ CORPUS: list[tuple[str, bytes]] = [
                              b'"function": {"name": "f", "parameters": {"$ref": "#"}}}], "tool_choice": "required"}'),
     ("/v1/completions", b'{"prompt": "x", "guided_json": {"$ref": "#"}}'),
     ("/v1/completions", b'{"prompt": "x", "guided_grammar": "root ::= root"}'),  # a grammar no token can start
+    # tool_choice forms
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+                             b'"function": {"name": "f"}}], "tool_choice": {"type": "function"}}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+                             b'"function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {}}}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+                             b'"function": {"name": "f"}}], "tool_choice": "Required"}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+                             b'"function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}], '
+                             b'"tool_choice": "required"}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+                             b'"function": {"name": "f", "parameters": {"type": "object", "properties": {"a": '
+                             b'{"$ref": "#/$defs/missing"}}}}}], "tool_choice": {"type": "function", "function": '
+                             b'{"name": "f"}}}'),
+    # reasoning flags and chat template variables
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": []}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": '
+                             b'{"tokenize": false}}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": '
+                             b'{"messages": []}}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "enable_thinking": "false"}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "enable_thinking": true, '
+                             b'"chat_template_kwargs": {"enable_thinking": false}}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "include_reasoning": null}'),
+    # the tokenizer endpoints
+    ("/tokenize", b""), ("/tokenize", b"[]"), ("/tokenize", b'{"prompt": 5}'), ("/tokenize", b'{"prompt": null}'),
+    ("/tokenize", b'{"prompt": "\udc00"}'), ("/tokenize", b'{"messages": "x"}'),
+    ("/tokenize", b'{"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": true, '
+                  b'"continue_final_message": true}'),
+    ("/tokenize", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{}]}'),
+    ("/detokenize", b'{"tokens": [' + b"9" * 30 + b']}'), ("/detokenize", b'{"tokens": [1e999]}'),
+    ("/detokenize", b'{"tokens": [true]}'), ("/detokenize", b'{"tokens": null}'),
+    ("/detokenize", b'{"tokens": [' + b"1," * 5000 + b'1]}'),
 ]
 
 # values at the edges of what validation accepts: each must be served (a 200), not crash a step
@@ -54,7 +88,18 @@ CORPUS_OK: list[tuple[str, dict]] = [("/v1/completions", {**_EDGE, **kw}) for kw
                                 "max_tokens": 3, **kw})
       for kw in [{"logprobs": True, "top_logprobs": 20}, {"stream": True, "n": 3}, {"max_completion_tokens": 1},
                  {"response_format": {"type": "json_object"}, "stream": True},
-                 {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}]]
+                 {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},
+                 # "required" and named tools: served whatever the chat template (the JSON form)
+                 {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+                  "max_tokens": 40, "stream": True},
+                 {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                  "tool_choice": {"type": "function", "function": {"name": "f"}}},
+                 {"chat_template_kwargs": {"enable_thinking": False, "custom": [1, {"a": None}]}},
+                 {"enable_thinking": True, "include_reasoning": False}]] + [
+    ("/tokenize", {"prompt": "", "add_special_tokens": False}), ("/tokenize", {"prompt": "\ud83d\ude00 \u0000"}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "return_token_strs": True,
+                   "add_generation_prompt": False, "continue_final_message": True}),
+    ("/detokenize", {"tokens": []}), ("/detokenize", {"tokens": [0, 1, 2, 319]})]
 
 
 _FIELDS_INT = ("n", "max_tokens", "top_k", "seed", "min_tokens", "logprobs", "best_of", "top_logprobs",

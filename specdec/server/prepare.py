@@ -17,6 +17,7 @@ from specdec.sampling_params import SamplingParams
 from specdec.server.lora_models import LoRAModels
 from specdec.server.limits import RequestLimits, check_limits
 from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from specdec.server.reasoning import ReasoningParser, template_kwargs
 from specdec.server.request_body import parse_request
 from specdec.server.request_models import RequestModels, request_models
 from specdec.server.structured import engine_error_param, request_constraint
@@ -35,6 +36,7 @@ class Prepared:
     constraint_field: str | None = None  # the request field the output constraint came from
     tool_parser: ToolParser | None = None  # reads the output's tool calls (chat with tools)
     lora_request: LoRARequest | None = None  # the adapter ``model`` names (None: the base model)
+    reasoning_mode: str | None = None  # where the output starts (reasoning.py); None: no reasoning parser
 
 
 def max_token_chars(tokenizer) -> int:
@@ -58,6 +60,7 @@ class Preparer:
     compile_grammar: Callable[[StructuredOutputsParams], object]
     tool_parser: ToolParser | None = None  # the model's tool-call format (--tool-call-parser or its template)
     lora_models: LoRAModels | None = None  # the adapters served as models of their own (--enable-lora)
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     # what bodies are validated with, and /openapi.json publishes: the limits as schema constraints
     models: RequestModels = field(init=False)
 
@@ -132,21 +135,29 @@ class Preparer:
         req = parse_request(self.models.chat, body)
         model, params, field, tools = self._common(req, 1)
         messages = req.template_messages()
-        num_chars = sum(len(m.get("content") or "") for m in messages)
+        extra = template_kwargs(req)
+        num_chars = sum(len(m.get("content") or "") for m in messages) + (len(repr(extra)) if extra else 0)
         num_chars += sum(len(c.function.arguments) for m in req.messages for c in m.tool_calls or [])
         self._check_length(num_chars, "messages")
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
         try:
             ids = tokenizer.apply_chat_template(messages, tools=tools.template_tools, tokenize=True,
-                                                add_generation_prompt=req.add_generation_prompt)
+                                                add_generation_prompt=req.add_generation_prompt, **extra)
         except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are the client's
             raise APIError(400, f"the chat template rejected the messages: {str(e)[:300]}", param="messages") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         ids = list(ids)
         self._validate_ids(ids, "messages")
-        return Prepared(req, model, params, [ids], [None], field, tools.parser, self._lora(model))
+        reasoning_mode = None
+        if self.reasoning_parser is not None:  # the constraint starts after the reasoning
+            reasoning_mode = self.reasoning_parser.mode(ids)
+            params.structured_outputs = self.reasoning_parser.gate(params.structured_outputs, reasoning_mode)
+        if not all(p.skip_special_tokens for p in (tools.parser, self.reasoning_parser) if p is not None):
+            params.skip_special_tokens = False  # the format's markers are special tokens
+        return Prepared(req, model, params, [ids], [None], field, tools.parser, self._lora(model),
+                        reasoning_mode=reasoning_mode)
 
 
 def _describe(tool_choice) -> str:

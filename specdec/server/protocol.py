@@ -263,6 +263,11 @@ class ChatCompletionRequest(_SamplingFields):
     functions: list | None = None  # legacy function calling
     function_call: Any = None
     add_generation_prompt: bool = True
+    # reasoning models (vLLM's names): extra chat template variables, thinking on / off (the
+    # template's enable_thinking), and whether reasoning_content is returned; see reasoning.py
+    chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: bool | None = None
+    include_reasoning: bool = True
 
     def to_sampling_params(self, structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         self._check_unsupported()

@@ -23,6 +23,7 @@ from specdec.server.generation import Generation
 from specdec.server.json_response import StrictJSONResponse, dumps_strict
 from specdec.server.prepare import Prepared, Preparer
 from specdec.server.protocol import APIError
+from specdec.server.reasoning import ReasoningStream
 from specdec.server.responses import (
     ChoiceDelta,
     TokenText,
@@ -146,15 +147,21 @@ class OpenAIServing:
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model}
         parser = prep.tool_parser
         max_calls = None if req.parallel_tool_calls else 1  # "auto" cannot enforce it: later calls are dropped
+        reasoning = self.preparer.reasoning_parser if prep.reasoning_mode is not None else None
 
         async def body(gen: Generation) -> dict:
             async for _ in gen.updates():
                 pass
             choices = []
             for c in gen.latest[0].outputs:
-                message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+                message, finish, text = {"role": "assistant", "content": c.text}, c.finish_reason, c.text
+                if reasoning is not None:  # the thinking apart; the answer is the content (and holds the calls)
+                    thought, text = reasoning.split(c.text, prep.reasoning_mode, final=True)
+                    message["content"] = text
+                    if req.include_reasoning:
+                        message["reasoning_content"] = thought
                 if parser is not None:  # content stripped, as a stream sends it (it holds back blanks)
-                    parsed = parser.parse(c.text)
+                    parsed = parser.parse(text)
                     message["content"] = parsed.content if parsed.tool_calls else parsed.content or ""
                     if parsed.tool_calls:
                         message["tool_calls"] = [call.as_openai(new_call_id()) for call in parsed.tool_calls[:max_calls]]
@@ -173,7 +180,7 @@ class OpenAIServing:
             for j in range(params.n):
                 yield self._chunk(chunk_head, req, {"index": j, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None})
-            trackers, tool_streams = {}, {}
+            trackers, tool_streams, reasoning_streams = {}, {}, {}
             async for changed in gen.updates():
                 for _, out in changed:
                     for c in out.outputs:
@@ -182,15 +189,23 @@ class OpenAIServing:
                         if d.is_empty:
                             continue
                         finish = d.finish_reason
+                        delta, new_text, text = {}, d.text, t.sent_text
+                        if reasoning is not None:  # thinking and answer apart; the answer goes on below
+                            rs = reasoning_streams.setdefault(c.index, ReasoningStream(reasoning, prep.reasoning_mode))
+                            thought, new_text, text = rs.update(t.sent_text, final=finish is not None)
+                            if thought and req.include_reasoning:
+                                delta["reasoning_content"] = thought
                         if parser is None:
-                            delta = {"content": d.text} if d.text else {}
+                            if new_text:
+                                delta["content"] = new_text
                         else:  # the parser sees the text sent so far, so calls never leak into content
                             stream = tool_streams.setdefault(c.index, ToolCallStream(parser, max_calls))
-                            delta = stream.update(t.sent_text, final=finish is not None)
+                            delta.update(stream.update(text, final=finish is not None))
                             if stream.num_calls:
                                 finish = _tool_finish(finish)
-                            if not delta and finish is None and d.logprobs is None and not req.return_token_ids:
-                                continue
+                        if (parser is not None or reasoning is not None) and not delta and finish is None \
+                                and d.logprobs is None and not req.return_token_ids:
+                            continue
                         choice = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
                         if d.finish_reason:
                             choice["stop_reason"] = d.stop_reason

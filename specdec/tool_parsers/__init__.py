@@ -8,13 +8,34 @@ from __future__ import annotations
 
 from specdec.tool_parsers.base import ParsedOutput, ToolCall, ToolCallStream, ToolParser, new_call_id
 from specdec.tool_parsers.grammar import tool_call_grammar
+from specdec.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from specdec.tool_parsers.hermes import HermesToolParser
 from specdec.tool_parsers.llama3_json import Llama3JsonToolParser
+from specdec.tool_parsers.mistral import MistralToolParser
+from specdec.tool_parsers.pythonic import PythonicToolParser
+from specdec.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
-PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+# vLLM's --tool-call-parser names
+PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
+    "deepseek_v3": DeepSeekV3ToolParser,
+    "pythonic": PythonicToolParser,
+    "llama4_pythonic": PythonicToolParser,
+}
 
-# what a chat template that renders tools in each format contains (checked in this order)
-_TEMPLATE_MARKERS = [("hermes", ("<tool_call>",)), ("llama3_json", ("<|python_tag|>", "<|start_header_id|>ipython"))]
+# what a chat template that renders tools in each format contains (checked in this order: the
+# Qwen3-Coder template also holds <tool_call>, Llama 4's also Llama 3's markers)
+_TEMPLATE_MARKERS = [
+    ("qwen3_coder", ("<function=",)),
+    ("mistral", ("[TOOL_CALLS]",)),
+    ("deepseek_v3", ("tool▁calls▁begin",)),
+    ("pythonic", ("<|python_start|>",)),
+    ("hermes", ("<tool_call>",)),
+    ("llama3_json", ("<|python_tag|>", "<|start_header_id|>ipython")),
+]
 
 
 def get_tool_parser(name: str) -> ToolParser:

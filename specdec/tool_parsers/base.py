@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 
 _DECODER = json.JSONDecoder(strict=False)  # control characters in strings: see escape_controls
+JSON_DECODER = _DECODER
 
 
 @dataclass
@@ -45,12 +46,22 @@ def new_call_id() -> str:
 
 
 class ToolParser:
-    """One model family's tool-call format. Subclasses set ``name`` and implement ``scan`` and
-    ``call_begin`` / ``call_end`` / ``separator`` (the exact text of one call around its
-    arguments, for the grammar that enforces ``tool_choice`` "required" or a named tool)."""
+    """One model family's tool-call format. Subclasses set ``name`` and implement ``scan``;
+    formats whose calls are literal text around a JSON arguments object also implement
+    ``call_begin`` / ``call_end`` / ``separator`` and set ``native_grammar`` (then "required"
+    and a named tool are enforced in the model's own format; otherwise in the JSON form of
+    json_calls.py, which any model can write)."""
 
     name: str = ""
     separator: str = ""
+    native_grammar: bool = False
+    # False: the format's markers are special tokens, so the output text must keep them
+    skip_special_tokens: bool = True
+
+    def for_tools(self, functions: list[dict]) -> ToolParser:
+        """The parser for one request's tools (OpenAI function definitions); formats that write
+        argument values untyped read their types from the tools' schemas."""
+        return self
 
     def scan(self, text: str, final: bool) -> ParsedOutput:
         raise NotImplementedError

@@ -28,6 +28,7 @@ _KEYS = ("arguments", "parameters")
 class HermesToolParser(ToolParser):
     name = "hermes"
     separator = "\n"
+    native_grammar = True
 
     def call_begin(self, name: str) -> str:
         return f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": '

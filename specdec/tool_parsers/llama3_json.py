@@ -18,6 +18,7 @@ _KEYS = ("parameters", "arguments")
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     separator = "; "
+    native_grammar = True
 
     def call_begin(self, name: str) -> str:
         return f'{{"name": {json.dumps(name)}, "parameters": '

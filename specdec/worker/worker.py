@@ -23,6 +23,7 @@ from specdec.spec_decode.proposer import DraftProposal
 from specdec.spec_decode.verifier import Verification
 from specdec.structured_output.backend import backend_key, get_backend
 from specdec.structured_output.grammar_state import GrammarState
+from specdec.structured_output.reasoning_grammar import gated_state
 from specdec.structured_output.masking import GRAMMAR_CLOCK, apply_bitmask, prune_proposal, verification_bitmask
 from specdec.worker.model_runner_output import ModelRunnerOutput
 from specdec.worker.request_state import CachedRequestState
@@ -183,7 +184,7 @@ class Worker:
 
     def _grammar_state(self, params) -> GrammarState:
         backend = get_backend(self._grammar_key, lambda: load_tokenizer(self._grammar_key[0]))
-        return GrammarState(backend.compile(params), self.vocab_size, self.eos_token_ids)
+        return gated_state(params, GrammarState(backend.compile(params), self.vocab_size, self.eos_token_ids))
 
     @staticmethod
     def _append_forced(req: CachedRequestState, tokens: list[int], logprobs: list | None) -> int:

@@ -1,6 +1,6 @@
 """Fuzzing the shared server: ~300 requests, a fixed corpus of hostile bodies, one of values at
 the edges of what validation accepts (each must be served), plus 250 bodies hypothesis builds
-from every field the endpoints know (values of every JSON type, huge and non-finite numbers,
+from every field the endpoints know (the tokenizer endpoints too) (values of every JSON type, huge and non-finite numbers,
 lone surrogates, nesting; derandomized). Every answer must be a 2xx or a 4xx in OpenAI's
 shape, never a 5xx, a hang or a dropped connection; afterwards /health is ok, a normal
 request works and nothing runs or holds a KV block."""
@@ -60,9 +60,21 @@ _chat = st.fixed_dictionaries({"messages": st.one_of(st.lists(_message, max_size
                                             ["auto", "none", "required", {"type": "function", "function": {"name": "f"}}]),
                                             _junk),
                                         "parallel_tool_calls": st.one_of(st.booleans(), _junk),
-                                        "add_generation_prompt": st.one_of(st.booleans(), _junk)})
+                                        "add_generation_prompt": st.one_of(st.booleans(), _junk),
+                                        "chat_template_kwargs": st.one_of(st.dictionaries(st.sampled_from(
+                                            ["enable_thinking", "tokenize", "tools", "x"]), _junk, max_size=2), _junk),
+                                        "enable_thinking": st.one_of(st.booleans(), _junk),
+                                        "include_reasoning": st.one_of(st.booleans(), _junk)})
+_tokenize = st.fixed_dictionaries({}, optional={
+    "model": st.one_of(st.just("tiny"), _text), "prompt": _text, "messages": st.one_of(st.lists(_message, max_size=2), _junk),
+    "add_special_tokens": st.one_of(st.booleans(), _junk), "add_generation_prompt": st.one_of(st.booleans(), _junk),
+    "continue_final_message": st.one_of(st.booleans(), _junk), "return_token_strs": st.one_of(st.booleans(), _junk),
+    "chat_template_kwargs": _junk, "tools": st.one_of(st.lists(_tool, max_size=1), _junk)})
+_detokenize = st.fixed_dictionaries({"tokens": st.one_of(st.lists(_small_int, max_size=6), _junk)},
+                                    optional={"model": st.one_of(st.just("tiny"), _text)})
 _request = st.one_of(st.tuples(st.just("/v1/completions"), _completion),
-                     st.tuples(st.just("/v1/chat/completions"), _chat))
+                     st.tuples(st.just("/v1/chat/completions"), _chat),
+                     st.tuples(st.just("/tokenize"), _tokenize), st.tuples(st.just("/detokenize"), _detokenize))
 
 
 def check_answer(client: httpx.Client, path: str, raw: bytes) -> int:
@@ -83,6 +95,9 @@ def check_answer(client: httpx.Client, path: str, raw: bytes) -> int:
         for e in events[:-1]:
             chunk = json.loads(e[6:])
             assert "error" not in chunk, (raw[:300], chunk)
+    elif path in ("/tokenize", "/detokenize"):
+        body = json.loads(content)
+        assert set(body) in ({"count", "max_model_len", "tokens", "token_strs"}, {"prompt"}), raw[:300]
     else:
         assert json.loads(content)["choices"], raw[:300]
     return 200
