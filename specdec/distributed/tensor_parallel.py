@@ -104,6 +104,10 @@ def _linear_like(linear: nn.Linear, in_features: int, out_features: int) -> nn.L
 
 def shard_shapes(model: nn.Module, tp: TensorParallelGroup) -> None:
     """Resize a (meta-device) Llama-family model to this rank's shapes, in place."""
+    attn_kind = type(model.layers[0].self_attn)
+    if not hasattr(model.layers[0].self_attn, "qkv_proj"):  # e.g. DeepSeek's latent attention
+        raise ValueError(f"{type(model).__name__} cannot run with tensor_parallel_size > 1 yet: its attention "
+                         f"({attn_kind.__name__}) has no head-sharded form")
     split = _Split(model.config, tp.world_size, tp.rank)
     hidden = model.config.hidden_size
     for layer in model.layers:

@@ -1,6 +1,8 @@
 """Architecture name (config.json "architectures") -> model class."""
 from __future__ import annotations
 
+from specdec.models.deepseek_v2 import DeepseekV2ForCausalLM
+from specdec.models.deepseek_v3 import DeepseekV3ForCausalLM
 from specdec.models.gemma3 import Gemma3ForCausalLM
 from specdec.models.gpt_oss import GptOssForCausalLM
 from specdec.models.llama import LlamaForCausalLM
@@ -21,6 +23,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
 }
 
 

@@ -316,3 +316,18 @@ register_method(SpecMethod("eagle3", _build_eagle3, **_MODEL_DRAFT, needs_target
                            plan_draft=_plan_head, load=_load_eagle3))
 register_method(SpecMethod("ngram", _build_ngram, validate=_validate_ngram))
 register_method(SpecMethod("suffix", _build_suffix))
+
+
+def _mtp(part: str) -> Callable:
+    """A part of the "mtp" method (``spec_decode/mtp.py``), imported on first use."""
+    def call(*args):
+        from specdec.spec_decode import mtp
+
+        return getattr(mtp, part)(*args)
+    return call
+
+
+# the target's own multi-token-prediction layers draft, fed its hidden states like an EAGLE head
+register_method(SpecMethod("mtp", _mtp("build"), has_draft_model=True, supports_tree=True, needs_target_hidden=True,
+                           graph_capturable=False, validate=_mtp("validate"), plan_draft=_mtp("plan_draft"),
+                           load=_mtp("load")), module=__name__)

@@ -12,6 +12,7 @@ graph that fits and runs everything else (prefill chunks, mixed steps, larger ba
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -40,7 +41,10 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        # a family with another cache layout (MLA's latent) declares its per-layer shape
+        cache_shape = getattr(model, "kv_cache_shape", None)
+        shape = cache_shape(num_blocks, block_size) if cache_shape is not None else \
+            (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.layers]
         self.graphs: dict[int, object] = {}  # rows per request q -> GraphRunner (enable_graphs)
         self.graph_max_blocks = 0
@@ -53,10 +57,13 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        token_shape = _family_kv_token_shape(model_config)  # (planes, heads, values) of one token and layer
+        if token_shape is not None:
+            return model_config.num_hidden_layers * block_size * math.prod(token_shape) * itemsize
         heads = model_config.num_attention_heads
         kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
         head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-        itemsize = torch.empty(0, dtype=dtype).element_size()
         return model_config.num_hidden_layers * 2 * block_size * kv_heads * head_dim * itemsize
 
     def prepare(
@@ -140,7 +147,7 @@ class ModelRunner:
         src = torch.tensor(src_slots, dtype=torch.int64, device=self.device)
         dst = torch.tensor(dst_slots, dtype=torch.int64, device=self.device)
         for cache in self.kv_caches:
-            flat = cache.view(2, -1, *cache.shape[3:])
+            flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
             flat[:, dst] = flat[:, src]
 
     def slot_of(self, block_ids: list[int], position: int) -> int:
@@ -216,3 +223,15 @@ class ModelRunner:
                 or meta.block_tables.shape[1] > self.graph_max_blocks:
             return None
         return graph
+
+
+def _family_kv_token_shape(model_config) -> tuple[int, ...] | None:
+    """The registered family's own cache layout per token and layer (``kv_cache_token_shape``), or
+    None for the per-head K and V layout (every family but those that declare one)."""
+    from specdec.models.registry import MODEL_REGISTRY
+
+    for arch in getattr(model_config, "architectures", None) or []:
+        token_shape = getattr(MODEL_REGISTRY.get(arch), "kv_cache_token_shape", None)
+        if token_shape is not None:
+            return tuple(token_shape(model_config))
+    return None
