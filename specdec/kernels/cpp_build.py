@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -36,6 +37,29 @@ def build_dir(name: str) -> str:
     return path
 
 
+# torch's build lock is a bare file that a build interrupted mid-compile leaves behind, and every
+# later build waits on it forever; no build of these sources takes this long
+STALE_LOCK_SECONDS = 900
+
+
+def clear_stale_lock(path: str, now: float | None = None) -> bool:
+    """Remove ``path``/lock when it is older than ``STALE_LOCK_SECONDS``; True if it was removed."""
+    lock = os.path.join(path, "lock")
+    try:
+        age = (time.time() if now is None else now) - os.path.getmtime(lock)
+    except OSError:
+        return False
+    if age < STALE_LOCK_SECONDS:
+        return False
+    warnings.warn(f"specdec: removing a build lock left {age / 60:.0f} minutes ago by an interrupted build: {lock}",
+                  stacklevel=3)
+    try:
+        os.remove(lock)
+    except OSError:
+        return False
+    return True
+
+
 def disabled(env: str) -> bool:
     return os.environ.get(env, "0") not in ("", "0")
 
@@ -58,8 +82,10 @@ def load_ops(name: str, source: str, namespace: str, flags: list[str], *, needs:
 
         # -fopenmp: at::parallel_for is inline OpenMP in the headers, serial without it; the
         # extension then uses the libgomp torch already loaded (same soname), so one thread pool
+        directory = build_dir(name)
+        clear_stale_lock(directory)
         load(name=name, sources=[str((csrc or CSRC) / source)], extra_cflags=[*flags, "-fopenmp"],
-             extra_ldflags=["-fopenmp"], build_directory=build_dir(name), is_python_module=False, verbose=False)
+             extra_ldflags=["-fopenmp"], build_directory=directory, is_python_module=False, verbose=False)
         return getattr(torch.ops, namespace)
     except Exception as e:  # no compiler, no headers, a failed build: the torch path still runs
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
