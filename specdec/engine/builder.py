@@ -20,6 +20,9 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     generation_defaults: dict
+    # the window of every layer of every model reading the KV block tables, None if any layer is
+    # global: KV behind it is freed as requests advance (``KVCacheManager``)
+    kv_sliding_window: int | None = None
 
 
 def load_tokenizer(path: str):
@@ -69,14 +72,43 @@ def eos_ids(path: str, tokenizer, config) -> tuple[int, ...]:
 
 def _max_model_len(config, requested: int | None) -> int:
     limit = getattr(config, "max_position_embeddings", None) or MAX_DEFAULT_MODEL_LEN
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) is not False:
-        limit = min(limit, window)  # no sliding-window attention yet: stay inside the window
     if requested is None:
         return min(limit, MAX_DEFAULT_MODEL_LEN)
     if requested > limit:
         raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit} positions")
     return requested
+
+
+def all_layers_window(config) -> int | None:
+    """The sliding window if every layer of the model has one (the largest), else None."""
+    from specdec.models.llama import layer_sliding_window
+
+    windows = [layer_sliding_window(config, i) for i in range(config.num_hidden_layers)]
+    return None if not windows or None in windows else max(windows)
+
+
+def kv_sliding_window(config, draft_config, method: str | None) -> int | None:
+    """Proposers without a KV cache (n-gram, suffix, replay) read nothing behind the window; a draft
+    model must be all-sliding too; EAGLE heads attend to everything."""
+    window = all_layers_window(config)
+    if window is None or method in (None, "ngram", "suffix", "replay"):
+        return window
+    draft_window = all_layers_window(draft_config) if method == "draft_model" and draft_config else None
+    return None if draft_window is None else max(window, draft_window)
+
+
+def check_tree_depth(spec, configs) -> None:
+    """A token tree's nodes see their ancestors through the mask alone, which needs the tree no
+    deeper than the smallest sliding window of the models that read it."""
+    from specdec.models.llama import layer_sliding_window
+
+    if spec is None or not spec.is_tree:
+        return
+    windows = [w for c in configs if c is not None for i in range(c.num_hidden_layers)
+               if (w := layer_sliding_window(c, i)) is not None]
+    if windows and spec.max_k > min(windows):
+        raise ValueError(f"speculative_config.num_speculative_tokens {spec.max_k} (the token tree's depth) exceeds "
+                         f"the model's sliding window of {min(windows)} positions")
 
 
 def tokenizer_path(cfg: EngineConfig, model_path: str) -> str:
@@ -89,6 +121,7 @@ def resolve_model_info(cfg: EngineConfig) -> ModelInfo:
     tokenizer = load_tokenizer(tokenizer_path(cfg, path))
     max_model_len = _max_model_len(config, cfg.max_model_len)
     spec = cfg.speculative_config
+    draft_cfg = None
     if spec is not None and spec.method == "draft_model":
         draft_path = resolve_model_path(spec.model)
         draft_cfg = load_config(draft_path)
@@ -99,8 +132,9 @@ def resolve_model_info(cfg: EngineConfig) -> ModelInfo:
                 raise ValueError(f"max_model_len {max_model_len} exceeds the draft model's limit of "
                                  f"{draft_limit} positions")
             max_model_len = draft_limit
+    check_tree_depth(spec, (config, draft_cfg))
     return ModelInfo(path, config, tokenizer, max_model_len, config.vocab_size, eos_ids(path, tokenizer, config),
-                     generation_defaults(path))
+                     generation_defaults(path), kv_sliding_window(config, draft_cfg, spec.method if spec else None))
 
 
 def check_vocab_compatible(tokenizer, config, draft_tokenizer, draft_config, draft_path: str) -> None:

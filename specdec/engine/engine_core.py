@@ -51,7 +51,8 @@ class EngineCore:
             self.executor = UniprocExecutor(Worker(config, *worker_args, shared_model=shared))
         worker = self.executor.driver_worker
         self.device, self.dtype = worker.device, worker.dtype
-        self.kv = KVCacheManager(self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                 info.kv_sliding_window)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.enable_chunked_prefill, stop_checker=self.output)

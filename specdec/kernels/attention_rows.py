@@ -62,23 +62,40 @@ def _warn_batched_once(dtype: torch.dtype, head_dim: int) -> None:
                       f"{head_dim}: the batched torch path runs instead", stacklevel=4)
 
 
+def _options(meta: AttentionMetadata, sliding_window: int | None, sinks: torch.Tensor | None,
+             softcap: float | None) -> tuple:
+    """The kernel's (window, sinks, softcap) arguments: 0 / None / 0 for an option not set."""
+    if sliding_window is not None and meta.tree_masks is not None:
+        depth = max((int(tree[1].sum(-1).max()) for tree in meta.tree_masks if tree is not None), default=0)
+        if depth > sliding_window:
+            raise ValueError(f"a token tree of depth {depth} exceeds the sliding window of {sliding_window} positions")
+    return (sliding_window or 0, None if sinks is None else sinks.float(), float(softcap or 0.0))
+
+
 def paged_attention_rows(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """The options (``specdec.layers.attention``) run in the kernel too."""
     ops = extension() if query.device.type == "cpu" else None
     if ops is None or query.dtype != torch.float32 or kv_cache.dtype != torch.float32 or query.shape[-1] > 256:
         _warn_batched_once(query.dtype, query.shape[-1])
-        return paged_attention_torch(query, kv_cache, meta, scale)
+        return paged_attention_torch(query, kv_cache, meta, scale, sliding_window=sliding_window, sinks=sinks,
+                                     softcap=softcap)
     base, mask = _tree_inputs(meta)
     return ops.attention_rows(query.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                              scale, base, mask)
+                              scale, base, mask, *_options(meta, sliding_window, sinks, softcap))
 
 
 def qkv_attention_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                       meta: AttentionMetadata, scale: float, num_heads: int) -> torch.Tensor | None:
+                       meta: AttentionMetadata, scale: float, num_heads: int, *, sliding_window: int | None = None,
+                       sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor | None:
     """Rotary, KV-cache write and ``paged_attention_rows`` in one kernel call from the fused QKV
     projection's output [T, (H + 2 Hkv) D] -> [T, H, D]; None where the kernel does not apply."""
     ops = extension() if qkv.device.type == "cpu" else None
@@ -87,7 +104,8 @@ def qkv_attention_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         return None
     base, mask = _tree_inputs(meta)
     return ops.qkv_attention_rows(qkv, cos, sin, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                  meta.query_start_loc, scale, num_heads, base, mask)
+                                  meta.query_start_loc, scale, num_heads, base, mask,
+                                  *_options(meta, sliding_window, sinks, softcap))
 
 
 ROWS_BACKEND = AttentionBackend("rows", write_kv_cache, paged_attention_rows, qkv_attention_rows)

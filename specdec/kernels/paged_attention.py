@@ -20,6 +20,12 @@ first tree key (``tree_base``) and, per query row, one bit per tree key
 (``specdec.layers.tree_mask``), so a row sees key n iff n is causal for it and (n < base or its
 bit is set). A causal request's base is its seq_len, so chain rows, decode rows and prefill
 chunks share a launch with tree rows.
+
+Per-layer options (``specdec.layers.attention``): ``HAS_WINDOW`` hides keys before base at or
+before pos - window (a row's pos is its slot, or base - 1 + depth for a tree node, its depth
+counted from its mask bits) and starts the key loop at the tile's first visible key, so a
+sliding layer reads only its window; ``HAS_SINKS`` adds each head's sink logit to the softmax
+denominator (in the merge kernel when the keys are split); ``SOFTCAP`` > 0 soft-caps the scores.
 """
 from __future__ import annotations
 
@@ -56,10 +62,12 @@ def _paged_attention_kernel(
     out_ptr, query_ptr, kv_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     partial_out_ptr, partial_lse_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] f32, [T, H, NUM_SPLITS] f32
     tree_base_ptr, tree_bits_ptr,  # [num_reqs] int64, [T, num_words] int32 (read only with HAS_TREE)
-    scale_log2e, num_reqs, num_heads,
+    sinks_ptr,  # [num_heads] float32 (read only with HAS_SINKS)
+    scale_log2e, num_reqs, num_heads, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kv, stride_kb, stride_ks, stride_kh, stride_bt, stride_tree, num_tree_words,
     HAS_TREE: tl.constexpr, TREE_WORDS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr, IEEE_FP32_DOT: tl.constexpr,
@@ -92,12 +100,27 @@ def _paged_attention_kernel(
     last_q_pos = tl.minimum((q_tile + 1) * BLOCK_Q, q_len) - 1
     kv_end = context_len + last_q_pos + 1
     num_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
-    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
     causal_limit = context_len + q_pos  # [BLOCK_M] last visible key position per row
     if HAS_TREE:
         tree_base = tl.load(tree_base_ptr + req)
+    first_tile = 0
+    if HAS_WINDOW:
+        row_pos = causal_limit  # [BLOCK_M] the row's position: its slot, or base - 1 + depth in a tree
+        if HAS_TREE:
+            depth = tl.zeros([BLOCK_M], dtype=tl.int32)
+            for w in range(0, num_tree_words):
+                word = tl.load(tree_bits_ptr + token * stride_tree + w, mask=row_valid, other=0)
+                for b in tl.static_range(32):
+                    depth += (word >> b) & 1
+            row_pos = tl.where(depth > 0, tree_base - 1 + depth, row_pos)
+        window_first = row_pos - window + 1  # [BLOCK_M] first key the window lets each row see
+        first_key = tl.min(tl.where(row_valid, window_first, kv_end), axis=0)
+        if HAS_TREE:
+            first_key = tl.minimum(first_key, tree_base)  # tree keys are seen through the mask alone
+        first_tile = tl.maximum(first_key, 0) // BLOCK_N
+    tiles_per_split = (num_tiles - first_tile + NUM_SPLITS - 1) // NUM_SPLITS
+    tile_begin = first_tile + split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.full([BLOCK_M], 0, tl.float32)
@@ -119,8 +142,17 @@ def _paged_attention_kernel(
             s = tl.dot(q, k, input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = s * scale_log2e  # [BLOCK_M, BLOCK_N], log2 domain
+        if SOFTCAP > 0:  # c * tanh(x / c) on the scaled scores, tanh(y) = 2 sigmoid(2 y) - 1
+            s = SOFTCAP * (2.0 * tl.sigmoid(s * (scale_log2e / 1.4426950408889634 * 2.0 / SOFTCAP)) - 1.0)
+            s = s * 1.4426950408889634
+        else:
+            s = s * scale_log2e  # [BLOCK_M, BLOCK_N], log2 domain
         visible = n_valid[None, :] & (offs_n[None, :] <= causal_limit[:, None])
+        if HAS_WINDOW:
+            in_window = offs_n[None, :] >= window_first[:, None]
+            if HAS_TREE:
+                in_window = in_window | (offs_n[None, :] >= tree_base)
+            visible = visible & in_window
         if HAS_TREE:
             if kv_tile * BLOCK_N + BLOCK_N > tree_base:  # the tile holds tree keys
                 # bits are aligned to absolute key positions (specdec.layers.tree_mask), so this
@@ -151,6 +183,12 @@ def _paged_attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
+        if HAS_SINKS:  # the sink joins the max and the denominator
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_f = tl.maximum(m_i, sink)
+            rescale = tl.exp2(m_i - m_f)
+            l_i = l_i * rescale + tl.exp2(sink - m_f)
+            acc = acc * rescale[:, None]
         out = acc / l_i[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
@@ -165,9 +203,10 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    out_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, num_reqs, num_heads,
+    out_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, sinks_ptr, num_reqs, num_heads,
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -180,10 +219,17 @@ def _merge_splits_kernel(
     s_valid = offs_s < NUM_SPLITS
     part = (token.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s  # [SPLITS_PAD]
     lse = tl.load(partial_lse_ptr + part, mask=s_valid, other=_NEG_BIG)
-    weight = tl.where(s_valid, tl.exp2(lse - tl.max(lse, axis=0)), 0.0)  # [SPLITS_PAD]
+    m = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
+    weight = tl.where(s_valid, tl.exp2(lse - m), 0.0)  # [SPLITS_PAD]
     parts = tl.load(partial_out_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :],
                     mask=s_valid[:, None], other=0.0)  # [SPLITS_PAD, HEAD_DIM_PAD]
-    out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    denominator = tl.sum(weight, axis=0)
+    if HAS_SINKS:
+        denominator += tl.exp2(sink - m)
+    out = tl.sum(parts * weight[:, None], axis=0) / denominator
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_valid)
 
 
@@ -218,6 +264,9 @@ def paged_attention_triton(
     *,
     num_kv_splits: int | None = None,  # None: chosen from meta's host copies; fix it for CUDA graphs
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows past query_start_loc[-1] are not written
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -237,7 +286,8 @@ def paged_attention_triton(
     if num_kv_splits is None:
         qsl = meta.query_start_loc_cpu
         num_tiles = sum(triton.cdiv(qsl[i + 1] - qsl[i], block_q) for i in range(num_reqs))
-        num_kv_splits = choose_num_kv_splits(num_tiles, num_kv_heads, max(meta.seq_lens_cpu), block_n, query.device)
+        keys = max(meta.seq_lens_cpu) if sliding_window is None else min(max(meta.seq_lens_cpu), sliding_window)
+        num_kv_splits = choose_num_kv_splits(num_tiles, num_kv_heads, keys, block_n, query.device)
     head_dim_pad = next_power_of_2(max(16, head_dim))
     if num_kv_splits > 1:
         partial_out = torch.empty(num_tokens, num_heads, num_kv_splits, head_dim_pad,
@@ -250,13 +300,15 @@ def paged_attention_triton(
     else:
         tree_base, tree_bits, stride_tree, num_tree_words = tree.base, tree.bits, tree.bits.stride(0), tree.bits.shape[1]
     upcast = DEFINED_FOR_INTERPRETER  # the interpreter cannot do bf16 arithmetic or bf16 tl.dot
+    sinks_arg = meta.seq_lens if sinks is None else sinks.float().contiguous()  # never read without sinks
     _paged_attention_kernel[(grid_tiles, num_kv_heads, num_kv_splits)](
         out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        partial_out, partial_lse, tree_base, tree_bits,
-        scale * _LOG2E, num_reqs, num_heads,
+        partial_out, partial_lse, tree_base, tree_bits, sinks_arg,
+        scale * _LOG2E, num_reqs, num_heads, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         stride_tree, num_tree_words, HAS_TREE=tree is not None, TREE_WORDS=block_n // 32,
+        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, SOFTCAP=float(softcap or 0.0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=meta.block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         UPCAST=upcast, IEEE_FP32_DOT=query.dtype == torch.float32,
@@ -264,10 +316,10 @@ def paged_attention_triton(
     )
     if num_kv_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            out, partial_out, partial_lse, meta.query_start_loc, num_reqs, num_heads,
+            out, partial_out, partial_lse, meta.query_start_loc, sinks_arg, num_reqs, num_heads,
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_kv_splits,
-            SPLITS_PAD=next_power_of_2(num_kv_splits),
+            SPLITS_PAD=next_power_of_2(num_kv_splits), HAS_SINKS=sinks is not None,
             **launch_options(query.device, threads=64),
         )
     return out

@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache (pure-torch reference).
+"""Attention over the paged KV cache: metadata, backends and the pure-torch reference (the batched
+torch path is ``specdec.layers.attention_torch``).
 
 Cache layout, per layer: ``kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]``
 (index 0 = keys, 1 = values). A token's *slot* is ``block_id * block_size + offset``.
@@ -113,7 +114,9 @@ class AttentionBackend:
     """The two cache operations a model layer needs; chosen once per engine (torch or Triton)."""
     name: str
     write_kv: Callable  # (key, value, kv_cache, slot_mapping) -> None
-    attend: Callable  # (query, kv_cache, meta, scale) -> [num_tokens, num_heads, head_dim]
+    # (query, kv_cache, meta, scale, **options) -> [num_tokens, num_heads, head_dim]; options:
+    # sliding_window, sinks, softcap (the module docstring), passed only by layers that set them
+    attend: Callable
     # optional, all three in one call from the fused QKV output [T, (H + 2 Hkv) D] (rotary
     # included): (qkv, cos, sin, kv_cache, meta, scale, num_heads) -> [T, H, D], or None where it
     # does not apply (the caller then runs rotary, write_kv and attend)
@@ -136,8 +139,13 @@ def paged_attention_reference(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of each request's query rows over its cached keys/values."""
+    """Causal attention of each request's query rows over its cached keys/values (the options:
+    see the module docstring)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -161,159 +169,51 @@ def paged_attention_reference(
             v = v.repeat_interleave(group, dim=0)
         mask = None
         tree = meta.tree_masks[r] if meta.tree_masks is not None else None
-        if tree is not None or q_len > 1:
+        if tree is not None or q_len > 1 or sliding_window is not None:
             # bottom-right causal: row j sees keys <= seq_len - q_len + j
             rows = torch.arange(q_len, device=query.device).unsqueeze(1) + (seq_len - q_len)
             cols = torch.arange(seq_len, device=query.device).unsqueeze(0)
             mask = cols <= rows  # [q_len, seq_len]
+            if sliding_window is not None:
+                pos = rows  # [q_len, 1] each row's position: its slot, or base - 1 + depth in a tree
+                if tree is not None:
+                    depth = tree[1].sum(-1, keepdim=True)
+                    if int(depth.max()) > sliding_window:
+                        raise ValueError(f"a token tree of depth {int(depth.max())} exceeds the sliding window "
+                                         f"of {sliding_window} positions")
+                    pos = torch.where(depth > 0, tree[0] - 1 + depth, rows)
+                in_window = cols > pos - sliding_window
+                if tree is not None:  # tree keys are ancestors, within the window (depth <= window)
+                    in_window[:, tree[0]:] = True
+                mask &= in_window
         if tree is not None:  # from base on, the node's ancestors and itself
             base, node_mask = tree
             mask[:, base:] &= node_mask
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        if sinks is None and softcap is None:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        else:
+            o = _explicit_attention(q, k, v, mask, scale, sinks, softcap)
         out[start:end] = o.transpose(0, 1)
     return out
 
 
-def _grouped_attention(
-    q: torch.Tensor,  # [R, Q, H, D]
-    k: torch.Tensor,  # [R, L, Hkv, D]
-    v: torch.Tensor,  # [R, L, Hkv, D]
-    bias: torch.Tensor | None,  # [R, 1, 1, Q, L] float32, 0 = may attend, -inf = may not
-    scale: float,
-    workspace: dict | None = None,  # buffers reused by every layer of a step (``_TorchPlan``)
-) -> torch.Tensor:  # [R * Q, H, D]
-    """matmul -> float32 softmax -> matmul, with each KV head serving its query group directly
-    (no repeated K/V). On CPU this is 3-30x faster than SDPA for decode-shaped queries in bf16.
-    The matmuls run in float32 on CPU, so the scores keep float32 precision (bf16 matmuls would
-    round them to 8 mantissa bits before the softmax). Each operand is converted and laid out for
-    its matmul in one copy ([R, Hkv, L, D]: K is read transposed by BLAS, V as it is), the scale
-    goes on the few query rows instead of the scores, and with a ``workspace`` these buffers are
-    allocated once per step instead of once per layer (fresh multi-MB buffers page-fault: the
-    same batch-32 call took 1.7-6.7 ms with per-call buffers)."""
-    num_reqs, q_len, num_heads, head_dim = q.shape
-    num_kv_heads, seq_len = k.shape[2], k.shape[1]
-    group = num_heads // num_kv_heads
-    out_dtype = q.dtype
-    dtype = torch.float32 if q.device.type == "cpu" else q.dtype
-    workspace = {} if workspace is None else workspace
-
-    def buffer(name: str, shape) -> torch.Tensor:
-        return _workspace_buffer(workspace, name, shape, dtype, q.device)
-
-    def laid_out(name: str, x: torch.Tensor, shape, perm) -> torch.Tensor:
-        return buffer(name, shape).copy_(x.permute(perm))
-
-    qg = laid_out("q", q.view(num_reqs, q_len, num_kv_heads, group, head_dim),
-                  (num_reqs, num_kv_heads, group, q_len, head_dim), (0, 2, 3, 1, 4)).mul_(scale)
-    kt = laid_out("k", k, (num_reqs, num_kv_heads, seq_len, head_dim), (0, 2, 1, 3))
-    vt = laid_out("v", v, (num_reqs, num_kv_heads, seq_len, head_dim), (0, 2, 1, 3))
-    scores = buffer("scores", (num_reqs, num_kv_heads, group * q_len, seq_len))
-    torch.matmul(qg.view(num_reqs, num_kv_heads, group * q_len, head_dim), kt.transpose(-1, -2), out=scores)
-    if bias is not None:
-        scores.view(num_reqs, num_kv_heads, group, q_len, seq_len).add_(bias)
-    # softmax in float32 (on GPUs the bf16 scores are upcast for it)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
-    out = torch.matmul(probs, vt)  # [R, Hkv, G*Q, D]
-    out = out.view(num_reqs, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(num_reqs * q_len, num_heads, head_dim).to(out_dtype)
+def _explicit_attention(q, k, v, mask, scale: float, sinks, softcap) -> torch.Tensor:
+    """softmax(scores [, sink]) @ v written out, for the options SDPA does not take.
+    q [H, Q, D], k / v [H, L, D], mask [Q, L] bool or None -> [H, Q, D]."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [H, Q, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # one more logit per head, in the denominator only
+        sink = sinks.float().view(-1, 1, 1).expand(scores.shape[0], scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
-MAX_PADDED_QUERY_LEN = 17  # mixed steps up to K = 16 verification rows run as one padded call
-
-
-@dataclass
-class _TorchPlan:
-    """What every layer of a step shares in ``paged_attention_torch``: computed once per step."""
-    q_len: int  # rows per request in the call (the longest, when padded)
-    max_len: int  # the longest context
-    table: torch.Tensor  # [R * num_blocks] the block ids to gather
-    bias: torch.Tensor | None  # [R, 1, 1, q_len, max_len] float32 additive mask
-    padded: tuple | None  # ``AttentionMetadata.padded_rows()`` for mixed query lengths
-    workspace: dict = field(default_factory=dict)  # gather and matmul buffers, reused layer after layer
-
-
-def _torch_plan(meta: AttentionMetadata) -> _TorchPlan:
-    if meta._torch_plan is not None:
-        return meta._torch_plan
-    padded = meta.padded_rows() if meta.uniform_query_len is None else None
-    q_len = padded[2] if padded else meta.uniform_query_len
-    max_len = max(meta.seq_lens_cpu)
-    num_blocks = -(-max_len // meta.block_size)
-    table = meta.block_tables[:, :num_blocks].reshape(-1)  # index_select on it: ~3x cheaper than [table]
-    bias = None
-    if q_len > 1 or min(meta.seq_lens_cpu) != max_len or meta.tree_masks is not None:
-        # row j of request r sees keys <= seq_len[r] - q_len[r] + j (bottom-right causal, padding
-        # hidden); a padding row (j >= q_len[r]) sees at least key 0, so its softmax stays finite
-        device = meta.seq_lens.device
-        rows = torch.arange(q_len, device=device).view(1, q_len, 1)
-        cols = torch.arange(max_len, device=device).view(1, 1, max_len)
-        lens = padded[1].view(-1, 1, 1) if padded else q_len
-        allowed = cols <= (meta.seq_lens.view(-1, 1, 1) - lens + rows)  # [R, q, L]
-        for r, tree in enumerate(meta.tree_masks or ()):
-            if tree is not None:  # a token tree: causal before base, then its own mask
-                base, node_mask = tree
-                allowed[r, :node_mask.shape[0], base:base + node_mask.shape[1]] &= node_mask
-        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill_(~allowed, float("-inf"))
-        bias = bias[:, None, None]
-    meta._torch_plan = _TorchPlan(q_len, max_len, table, bias, padded)
-    return meta._torch_plan
-
-
-def paged_attention_torch(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """The reference's result, faster: when every request has the same query length (pure
-    decode steps, or verification steps with one K) all requests go through one grouped
-    attention over keys gathered into a padded [R, L] batch and masked per request; mixed
-    steps (prefill chunks next to decode rows, or adaptive K giving requests different
-    verification lengths) run that once per distinct query length, not once per request
-    (measured: a batch-32 step with a few K > 0 requests cost 6-10% more than a pure decode
-    step when it went request by request). The gather table and the mask are built once per
-    step, not once per layer (measured on the 1.1B Llama at K = 5: attention 10.1 -> 5.3 ms of a
-    52 ms step)."""
-    if meta.uniform_query_len is None and meta.max_query_len > MAX_PADDED_QUERY_LEN:
-        # prefill chunks among them: one call per length
-        out = torch.empty_like(query)
-        for rows, sub in meta.query_len_groups():
-            out[rows] = paged_attention_torch(query[rows], kv_cache, sub, scale)
-        return out
-    # decode rows next to verification rows of different K are padded to the longest, one call
-    # (a call per length cost ~10 ms per batch-32 step on a 30-layer model)
-    plan = _torch_plan(meta)
-    num_reqs = meta.num_reqs
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads, bs = kv_cache.shape[3], meta.block_size
-    q_len, max_len = plan.q_len, plan.max_len
-    width = plan.table.shape[0] // num_reqs * bs
-    k, v = (_gather(kv_cache[i], plan, f"gather{i}").view(num_reqs, width, num_kv_heads, head_dim)[:, :max_len]
-            for i in (0, 1))
-    if plan.padded is None:
-        return _grouped_attention(query.view(num_reqs, q_len, num_heads, head_dim), k, v, plan.bias, scale,
-                                  plan.workspace)
-    dest = plan.padded[0]
-    q = query.new_zeros(num_reqs * q_len, num_heads, head_dim).index_copy_(0, dest, query)
-    return _grouped_attention(q.view(num_reqs, q_len, num_heads, head_dim), k, v, plan.bias, scale,
-                              plan.workspace).index_select(0, dest)
-
-
-def _workspace_buffer(workspace: dict, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """``workspace[name]``, re-made when the shape, dtype or device asked for differs."""
-    shape = torch.Size(shape)
-    buf = workspace.get(name)
-    if buf is None or buf.shape != shape or buf.dtype != dtype or buf.device != device:
-        buf = workspace[name] = torch.empty(shape, dtype=dtype, device=device)
-    return buf
-
-
-def _gather(cache: torch.Tensor, plan: _TorchPlan, name: str) -> torch.Tensor:
-    """The step's blocks of one layer's K or V cache, into a buffer every layer reuses."""
-    shape = (plan.table.shape[0], *cache.shape[1:])
-    out = _workspace_buffer(plan.workspace, name, shape, cache.dtype, cache.device)
-    return torch.index_select(cache, 0, plan.table, out=out)
-
+from specdec.layers.attention_torch import paged_attention_torch  # noqa: E402 (it builds on the above)
 
 REFERENCE_BACKEND = AttentionBackend("reference", write_kv_cache, paged_attention_reference)
 TORCH_BACKEND = AttentionBackend("torch", write_kv_cache, paged_attention_torch)

@@ -4,7 +4,8 @@ A plain ``nn.Module`` over a flat batch of tokens: ``forward(input_ids [T], posi
 kv_caches, attn_meta) -> hidden [T, H]``. Hugging Face parameter names are mapped at load
 time (q/k/v fused into ``qkv_proj``, gate/up into ``gate_up_proj``) so each layer runs two
 big matmuls instead of five small ones. Family differences are constructor flags read from
-the config (QKV bias, per-head q/k norm), never branches on the model name.
+the config (QKV bias, per-head q/k norm, each layer's sliding window), never branches on the
+model name; a family with more per-layer differences overrides ``attention_options``.
 """
 from __future__ import annotations
 
@@ -40,45 +41,87 @@ def _rope_params(config) -> tuple[float, dict | None]:
     return float(_cfg(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)
 
 
+def layer_sliding_window(config, layer_idx: int) -> int | None:
+    """The layer's sliding window as transformers applies it: ``layer_types[i] ==
+    "sliding_attention"`` where the config lists layer types, every layer where it sets only
+    ``sliding_window`` (Mistral, Mixtral, Phi-3), none where ``use_sliding_window`` is off (Qwen2)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return int(window) if layer_types[layer_idx] == "sliding_attention" else None
+    return int(window)
+
+
 class Attention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, attn_backend: AttentionBackend):
+    """One layer's attention. Per-layer options (``specdec.layers.attention``): ``sliding_window``
+    (keys at the last w positions only), ``sinks`` (a learned logit per head in the softmax
+    denominator, the ``self_attn.sinks`` weight), ``softcap`` (c * tanh(x / c) on the scores),
+    ``scale`` (default head_dim^-0.5), ``norm_class`` for the q/k norms and ``rotary_dim`` (partial
+    rotary: only a head's first dimensions rotate)."""
+
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, attn_backend: AttentionBackend, *,
+                 sliding_window: int | None = None, sinks: bool = False, softcap: float | None = None,
+                 scale: float | None = None, norm_class: type[nn.Module] = RMSNorm, rotary_dim: int | None = None):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = _cfg(config, "num_key_value_heads", self.num_heads)
         self.head_dim = _cfg(config, "head_dim", config.hidden_size // self.num_heads)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if scale is None else scale
+        self.rotary_dim = self.head_dim if rotary_dim is None else rotary_dim
+        self.sliding_window = sliding_window
+        self.softcap = softcap
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if sinks else None
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bool(_cfg(config, "attention_bias", False)))
         eps = _cfg(config, "rms_norm_eps", 1e-6)
-        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.q_norm = norm_class(self.head_dim, eps) if qk_norm else None
+        self.k_norm = norm_class(self.head_dim, eps) if qk_norm else None
         self.backend = attn_backend
+
+    def options(self) -> dict:
+        """The keyword options this layer passes its backend (only those it sets)."""
+        opts = {}
+        if self.sliding_window is not None:
+            opts["sliding_window"] = self.sliding_window
+        if self.sinks is not None:
+            opts["sinks"] = self.sinks
+        if self.softcap is not None:
+            opts["softcap"] = self.softcap
+        return opts
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """rope: the (cos, sin) rows of this step's positions, from ``RotaryEmbedding.lookup``."""
         qkv = self.qkv_proj(hidden)
-        if self.q_norm is None and self.backend.qkv_attend is not None:
+        opts = self.options()
+        if self.q_norm is None and self.backend.qkv_attend is not None and self.rotary_dim == self.head_dim:
             with profile_range("attention"):
-                out = self.backend.qkv_attend(qkv, *rope, kv_cache, meta, self.scale, self.num_heads)
+                out = self.backend.qkv_attend(qkv, *rope, kv_cache, meta, self.scale, self.num_heads, **opts)
             if out is not None:
                 return self.o_proj(out.view(-1, self.q_size))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is None:
             # queries and keys are adjacent in the fused output: rotate both in one pass
-            qk = rotate(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+            qk = self._rotate(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), rope)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         else:
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-            q, k = rotate(q, *rope), rotate(k, *rope)
+            q, k = self._rotate(q, rope), self._rotate(k, rope)
         with profile_range("attention"):
             self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
-            out = self.backend.attend(q, kv_cache, meta, self.scale)  # [T, H, D]
+            out = self.backend.attend(q, kv_cache, meta, self.scale, **opts)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _rotate(self, x: torch.Tensor, rope) -> torch.Tensor:  # [T, heads, D]
+        if self.rotary_dim == self.head_dim:
+            return rotate(x, *rope)
+        return torch.cat([rotate(x[..., :self.rotary_dim].contiguous(), *rope), x[..., self.rotary_dim:]], dim=-1)
 
 
 class MLP(nn.Module):
@@ -100,10 +143,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, attn_backend: AttentionBackend):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, attn_backend: AttentionBackend, **attn_options):
+        """``attn_options``: the layer's ``Attention`` keyword options."""
         super().__init__()
         eps = _cfg(config, "rms_norm_eps", 1e-6)
-        self.self_attn = Attention(config, qkv_bias, qk_norm, attn_backend)
+        self.self_attn = Attention(config, qkv_bias, qk_norm, attn_backend, **attn_options)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
@@ -122,22 +166,41 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
+    norm_class: type[nn.Module] = RMSNorm  # the final norm's (a family's own layers choose theirs)
 
     def __init__(self, config, attn_backend: AttentionBackend = REFERENCE_BACKEND):
         super().__init__()
         self.config = config
         qkv_bias = self.qkv_bias or bool(_cfg(config, "attention_bias", False))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, self.qk_norm, attn_backend) for _ in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, _cfg(config, "rms_norm_eps", 1e-6))
+        self.layers = nn.ModuleList(self.make_layer(config, i, qkv_bias, attn_backend)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = self.norm_class(config.hidden_size, _cfg(config, "rms_norm_eps", 1e-6))
         theta, scaling = _rope_params(config)
-        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary = RotaryEmbedding(self.rotary_dim, config.max_position_embeddings, theta, scaling)
         self.tie_word_embeddings = bool(_cfg(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_layer(self, config, layer_idx: int, qkv_bias: bool, attn_backend: AttentionBackend) -> nn.Module:
+        """Decoder layer ``layer_idx`` (a family with its own layer structure overrides this)."""
+        return DecoderLayer(config, qkv_bias, self.qk_norm, attn_backend, **self.attention_options(config, layer_idx))
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotated dimensions of a head (a family with partial rotary overrides this)."""
+        return self.head_dim
+
+    def attention_options(self, config, layer_idx: int) -> dict:
+        """Layer ``layer_idx``'s ``Attention`` keyword options (a family overrides this)."""
+        window = layer_sliding_window(config, layer_idx)
+        return {} if window is None else {"sliding_window": window}
+
+    def rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata):
+        """The step's rotary (cos, sin) rows, shared by every layer (a family whose table depends
+        on more than the position overrides this)."""
+        return self.rotary.lookup(positions)
 
     @property
     def num_kv_heads(self) -> int:
@@ -153,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
         residual stream entering each of those layers, concatenated in their order: [T, n * H]."""
         hidden = self.embed_tokens(input_ids)  # [T, H]
         residual = None
-        rope = self.rotary.lookup(positions)  # once per step, not once per layer
+        rope = self.rope_rows(positions, meta)  # once per step, not once per layer
         collected: dict[int, torch.Tensor] = {}
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if i in aux_layers:  # vLLM's convention: layer L's input, i.e. Hugging Face hidden_states[L]

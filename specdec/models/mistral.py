@@ -1,4 +1,4 @@
-"""Mistral: the Llama decoder (sliding window is handled by capping max_model_len at load)."""
+"""Mistral: the Llama decoder, every layer sliding when the config sets ``sliding_window``."""
 from specdec.models.llama import LlamaForCausalLM
 
 

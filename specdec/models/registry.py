@@ -1,8 +1,10 @@
 """Architecture name (config.json "architectures") -> model class."""
 from __future__ import annotations
 
+from specdec.models.gemma3 import Gemma3ForCausalLM
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.mistral import MistralForCausalLM
+from specdec.models.phi3 import Phi3ForCausalLM
 from specdec.models.qwen2 import Qwen2ForCausalLM
 from specdec.models.qwen3 import Qwen3ForCausalLM
 
@@ -11,6 +13,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

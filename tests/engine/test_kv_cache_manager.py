@@ -170,3 +170,55 @@ def test_prefix_caching_disabled():
     admit(kv, req("a", range(9)))
     assert kv.get_computed_blocks(req("b", range(9))) == ([], 0)
     assert kv.pool.cached == {}
+
+
+# ---- sliding windows: blocks no query can read again go back to the pool ----
+
+def decode(kv: KVCacheManager, r: Request, token: int) -> None:
+    """One decode step as the scheduler and the commit run it."""
+    assert kv.allocate_slots(r, 1)
+    r.append_output_token(token)
+    r.num_computed_tokens += 1
+    kv.cache_full_blocks(r)
+
+
+def test_blocks_behind_the_window_are_freed_as_the_request_advances():
+    window = 6  # a query at position p sees keys p - 5 .. p
+    kv = KVCacheManager(num_blocks=8, block_size=BS, sliding_window=window)
+    r = req("a", range(10))
+    admit(kv, r)  # positions 0..9: 3 blocks
+    assert kv.free_outside_window(r) == 1  # the next query (position 10) sees keys 5..: block 0 (0..3) is dead
+    ids = kv.get_block_ids("a")
+    assert ids[0] == 0 and kv.req_blocks["a"][0] is None and kv.pool.num_free_blocks == 8 - 2
+    for t in range(6):  # positions 10..15
+        decode(kv, r, 100 + t)
+        live = [b for b in kv.req_blocks["a"] if b is not None]
+        first_needed = r.num_computed_tokens - window + 1
+        assert all(b is not None for b in kv.req_blocks["a"][first_needed // BS:])  # what the window sees stays
+        assert len(live) <= -(-(window + BS) // BS) + 1
+    assert kv.free_outside_window(r) == 0  # idempotent
+    kv.free(r)
+    assert kv.pool.num_free_blocks == 8 and all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_window_freed_blocks_stay_findable_in_the_prefix_cache():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, sliding_window=4)
+    a = req("a", range(12))
+    admit(kv, a)
+    first = kv.req_blocks["a"][0]
+    assert kv.free_outside_window(a) == 2 and first.ref_cnt == 0  # free, still cached
+    b = req("b", list(range(12)) + [7])
+    blocks, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 12 and blocks[0] is first  # a's freed leading blocks are revived by the hit
+    assert kv.allocate_slots(b, b.num_tokens - num_hit, blocks)
+    assert first.ref_cnt == 1
+    kv.free(a)
+    kv.free(b)
+    assert kv.pool.num_free_blocks == 8
+
+
+def test_without_a_window_nothing_is_freed_early():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    r = req("a", range(20))
+    admit(kv, r)
+    assert kv.free_outside_window(r) == 0 and None not in kv.req_blocks["a"]

@@ -87,8 +87,11 @@ def test_auto_picks_the_rows_backend_for_float32_on_cpu_and_torch_for_bf16():
 
 
 @needs_kernel
-@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 7, 64), (3, 3, 64), (1, 4, 80)])
-def test_fused_qkv_attention_equals_rotary_then_cache_write_then_attention(num_kv_heads, group, head_dim):
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,options", [
+    (2, 7, 64, {}), (3, 3, 64, {}), (1, 4, 80, {}),
+    (2, 2, 64, {"sliding_window": 30, "sinks": torch.linspace(-1.0, 2.0, 4), "softcap": 4.0}),  # gpt-oss-like
+])
+def test_fused_qkv_attention_equals_rotary_then_cache_write_then_attention(num_kv_heads, group, head_dim, options):
     from specdec.layers.attention import write_kv_cache
     from specdec.layers.rotary import RotaryEmbedding, rotate
 
@@ -103,14 +106,18 @@ def test_fused_qkv_attention_equals_rotary_then_cache_write_then_attention(num_k
     cos, sin = RotaryEmbedding(head_dim, 256, 10000.0).lookup(positions)
     qkv = torch.randn(len(slots), (num_heads + 2 * num_kv_heads) * head_dim, generator=torch.Generator().manual_seed(2))
     cache_a, cache_b = make_cache(num_kv_heads, head_dim), make_cache(num_kv_heads, head_dim)
-    fused = attention_rows.qkv_attention_rows(qkv, cos, sin, cache_a, meta, 0.125, num_heads)
+    fused = attention_rows.qkv_attention_rows(qkv, cos, sin, cache_a, meta, 0.125, num_heads, **options)
     qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], dim=-1)
     qk = rotate(qk.view(-1, num_heads + num_kv_heads, head_dim), cos, sin)
     q, k = qk.split([num_heads, num_kv_heads], dim=1)
     write_kv_cache(k, v.view(-1, num_kv_heads, head_dim), cache_b, meta.slot_mapping)
-    separate = attention_rows.paged_attention_rows(q.contiguous(), cache_b, meta, 0.125)
+    separate = attention_rows.paged_attention_rows(q.contiguous(), cache_b, meta, 0.125, **options)
     torch.testing.assert_close(cache_a, cache_b, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(fused, separate, rtol=1e-5, atol=2e-6)
+    if options:  # and the options reach the kernel: the reference agrees, plain attention does not
+        torch.testing.assert_close(fused, paged_attention_reference(q.contiguous(), cache_b, meta, 0.125, **options),
+                                   rtol=1e-5, atol=2e-5)
+        assert (fused - attention_rows.paged_attention_rows(q.contiguous(), cache_b, meta, 0.125)).abs().max() > 1e-3
     # a slot outside the cache is an error, not a write
     meta.slot_mapping = torch.tensor([10 ** 6] + slots[1:])
     with pytest.raises(RuntimeError, match="outside the cache"):

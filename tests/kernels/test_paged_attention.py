@@ -62,9 +62,15 @@ def mixed_lengths(k: int, seed: int) -> tuple[list[int], list[int]]:
     return q_lens, seq_lens
 
 
+OPTIONS = ("sliding_window", "sinks", "softcap")  # the per-layer options (specdec.layers.attention)
+
+
 def assert_matches_reference(query, kv_cache, meta, **kwargs):
     scale = query.shape[-1] ** -0.5
-    expected = paged_attention_reference(query.float().cpu(), kv_cache.float().cpu(), _cpu(meta), scale)
+    options = {k: v for k, v in kwargs.items() if k in OPTIONS}
+    ref_options = {k: v.cpu() if torch.is_tensor(v) else v for k, v in options.items()}
+    expected = paged_attention_reference(query.float().cpu(), kv_cache.float().cpu(), _cpu(meta), scale,
+                                         **ref_options)
     out = paged_attention.paged_attention_triton(query, kv_cache, meta, scale, **kwargs)
     assert out.shape == query.shape and out.dtype == query.dtype
     rows = meta.query_start_loc_cpu[-1]
@@ -136,6 +142,38 @@ def test_the_tree_mask_changes_the_kernel_output():
     meta_causal.tree_masks = None
     causal = paged_attention_reference(query.cpu(), kv_cache.cpu(), meta_causal, scale)
     assert (tree_out.cpu() - causal).abs().max() > 1e-2
+
+
+def _sinks(num_heads: int, seed: int) -> torch.Tensor:
+    return (2 * torch.randn(num_heads, generator=torch.Generator().manual_seed(seed))).to(DEVICE)
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+@pytest.mark.parametrize("options", ["window", "window_sinks", "all"])
+def test_options_in_mixed_batches_and_trees_match_the_reference(options, num_kv_splits):
+    """Sliding window (shorter than most contexts, so it cuts), sinks and soft-capping, over
+    prefill chunks, K+1 rows, decodes and token trees in one launch, with and without split keys."""
+    kinds = [("tree", 1, 9), ("chain", 4), ("prefill", 19), ("decode",), ("tree", 3, 5), ("decode",)]
+    query, kv_cache, meta = tree_batch(kinds, group=2, seed=11, num_kv_heads=2)
+    opts = {"sliding_window": 13}
+    if options != "window":
+        opts["sinks"] = _sinks(query.shape[1], 4)
+    if options == "all":
+        opts["softcap"] = 1.5
+    assert_matches_reference(query, kv_cache, meta, num_kv_splits=num_kv_splits, **opts)
+    if options == "window":  # negative control: the window changes rows with longer contexts
+        scale = query.shape[-1] ** -0.5
+        full = paged_attention.paged_attention_triton(query, kv_cache, meta, scale, num_kv_splits=num_kv_splits)
+        cut = paged_attention.paged_attention_triton(query, kv_cache, meta, scale, num_kv_splits=num_kv_splits, **opts)
+        assert (full - cut).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 2])
+def test_sinks_alone_on_long_decodes(num_kv_splits):
+    q_lens, seq_lens = [1, 4, 1], [150, 90, 2]
+    query, kv_cache, meta = make_batch(q_lens, seq_lens, block_size=16, num_kv_heads=2, group=2, head_dim=64,
+                                       dtype=torch.float32, seed=9)
+    assert_matches_reference(query, kv_cache, meta, num_kv_splits=num_kv_splits, sinks=_sinks(4, 1))
 
 
 @pytest.mark.parametrize(

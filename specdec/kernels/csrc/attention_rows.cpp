@@ -8,7 +8,10 @@
 // for each visible key n; m = max s_n; p_n = exp(s_n - m) (a polynomial exp, the same
 // instructions for every element); l = sum p_n and o = sum p_n v_n in key order; out = o / l.
 // Visible: n <= seq_len - q_len + j (bottom-right causal) and, for a token-tree request, n < base
-// or bit (n - base) of the row's mask.
+// or bit (n - base) of the row's mask. Per-layer options: a sliding window w also hides keys
+// n < base with n <= pos - w (pos: the row's slot, or base - 1 + depth for a tree node, depth =
+// the bits set in its mask row); soft-capping replaces s_n by c * tanh(s_n / c); a sink logit z
+// per head joins the max and adds exp(z - m) to l (gpt-oss), with no value.
 //
 // ``qkv_attention_rows`` runs a layer's rotary, KV-cache write and attention in one call from the
 // fused QKV projection's output (at batch 1 the separate ops cost more than their arithmetic).
@@ -41,6 +44,9 @@ struct Args {
   int64_t tree_width, W, bs, H, Hkv, D;
   float scale;
   float* out;  // [T, H, D]
+  int64_t window;      // 0: full attention
+  const float* sinks;  // [H] or null
+  float softcap;       // 0: none
 };
 
 // Query heads h0 .. h0 + G - 1 of row t (request r), all reading kv head kvh: each key and value
@@ -52,6 +58,14 @@ void one_group(const Args& a, int64_t r, int64_t t, int64_t kvh, int64_t h0, std
   const int64_t j = t - a.qsl[r], limit = seq_len - q_len + j;  // last visible key
   const int64_t base = a.tree_base != nullptr ? a.tree_base[r] : seq_len;
   const uint8_t* mask = a.tree_mask != nullptr ? a.tree_mask + t * a.tree_width : nullptr;
+  int64_t first = 0;  // the first key the sliding window lets this row see (before base)
+  if (a.window > 0) {
+    int64_t pos = limit, depth = 0;
+    if (mask != nullptr)
+      for (int64_t i = 0; i < a.tree_width; ++i) depth += mask[i] != 0;
+    if (depth > 0) pos = base - 1 + depth;
+    first = std::max<int64_t>(0, pos - a.window + 1);
+  }
   const int64_t D = a.D, chunks = D / kW, rem = D % kW, nc = chunks + (rem ? 1 : 0);
   const vmask tail = vtail(rem);
   auto load = [&](const float* p, int64_t c) { return c < chunks ? vload(p + kW * c) : vload_mask(tail, p + kW * c); };
@@ -62,8 +76,8 @@ void one_group(const Args& a, int64_t r, int64_t t, int64_t kvh, int64_t h0, std
   }
   const int64_t* table = a.block_tables + r * a.W;
   keys.clear();
-  for (int64_t n = 0; n <= limit; ++n)
-    if (n < base || mask[n - base]) keys.push_back(static_cast<int32_t>(n));
+  for (int64_t n = std::min(first, base); n <= limit; ++n)
+    if (n < base ? n >= first : mask[n - base] != 0) keys.push_back(static_cast<int32_t>(n));
   const int64_t nk = static_cast<int64_t>(keys.size()), stride = nk + kW;
   s.resize(G * stride);
   float m[G];
@@ -78,17 +92,20 @@ void one_group(const Args& a, int64_t r, int64_t t, int64_t kvh, int64_t h0, std
       for (int g = 0; g < G; ++g) acc[g] = vfmadd(qv[g][c], kv, acc[g]);
     }
     for (int g = 0; g < G; ++g) {
-      s[g * stride + i] = vreduce_add(acc[g]);
-      m[g] = std::max(m[g], s[g * stride + i]);
+      float x = vreduce_add(acc[g]);
+      if (a.softcap > 0.0f) x = a.softcap * std::tanh(x / a.softcap);
+      s[g * stride + i] = x;
+      m[g] = std::max(m[g], x);
     }
   }
   float l[G];
   for (int g = 0; g < G; ++g) {
+    if (a.sinks != nullptr) m[g] = std::max(m[g], a.sinks[h0 + g]);
     const vf mv = vset1(m[g]);
     float* sg = s.data() + g * stride;
     for (int64_t i = 0; i < nk; i += kW)  // padding lanes are computed and never read
       vstore(sg + i, exp_ps(vsub(vload(sg + i), mv)));
-    l[g] = 0.0f;
+    l[g] = a.sinks != nullptr ? std::exp(a.sinks[h0 + g] - m[g]) : 0.0f;
   }
   vf o[G][256 / kW];
   for (int g = 0; g < G; ++g)
@@ -127,7 +144,8 @@ void row_heads(const Args& a, int64_t r, int64_t t, int64_t kvh, std::vector<flo
 
 at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                          const c10::optional<at::Tensor>& tree_base, const c10::optional<at::Tensor>& tree_mask) {
+                          const c10::optional<at::Tensor>& tree_base, const c10::optional<at::Tensor>& tree_mask,
+                          int64_t window, const c10::optional<at::Tensor>& sinks, double softcap) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "attention_rows: float32");
   TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous inputs");
   const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
@@ -140,12 +158,16 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& kv_cache, c
   const bool tree = tree_base.has_value() && tree_base->defined();
   const at::Tensor tb = tree ? tree_base->to(at::kLong).contiguous() : at::Tensor();
   const at::Tensor tm = tree ? tree_mask->to(at::kByte).contiguous() : at::Tensor();
+  const bool has_sinks = sinks.has_value() && sinks->defined();
+  const at::Tensor sk = has_sinks ? sinks->to(at::kFloat).contiguous() : at::Tensor();
+  TORCH_CHECK(!has_sinks || sk.numel() == H, "attention_rows: one sink per query head");
   const int64_t layer = kv_cache.size(1) * bs * Hkv * D;  // floats of one of K / V
   const float* cache = kv_cache.data_ptr<float>();
   const Args a{query.data_ptr<float>(), cache, cache + layer,
                bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), qsl.data_ptr<int64_t>(),
                tree ? tb.data_ptr<int64_t>() : nullptr, tree ? tm.data_ptr<uint8_t>() : nullptr,
-               tree ? tm.size(1) : 0, bt.size(1), bs, H, Hkv, D, static_cast<float>(scale), out.data_ptr<float>()};
+               tree ? tm.size(1) : 0, bt.size(1), bs, H, Hkv, D, static_cast<float>(scale), out.data_ptr<float>(),
+               window, has_sinks ? sk.data_ptr<float>() : nullptr, static_cast<float>(softcap)};
   std::vector<int64_t> row_req(T, -1);
   const int64_t* q = qsl.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r)
@@ -169,7 +191,8 @@ at::Tensor qkv_attention_rows(const at::Tensor& qkv, const at::Tensor& cos, cons
                               const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               const at::Tensor& query_start_loc, double scale, int64_t num_heads,
-                              const c10::optional<at::Tensor>& tree_base, const c10::optional<at::Tensor>& tree_mask) {
+                              const c10::optional<at::Tensor>& tree_base, const c10::optional<at::Tensor>& tree_mask,
+                              int64_t window, const c10::optional<at::Tensor>& sinks, double softcap) {
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat && qkv.dim() == 2 &&
               qkv.stride(1) == 1, "qkv_attention_rows: float32 qkv [T, (H + 2 Hkv) * D], rows contiguous");
   TORCH_CHECK(kv_cache.is_contiguous(), "qkv_attention_rows: contiguous kv_cache");
@@ -202,13 +225,15 @@ at::Tensor qkv_attention_rows(const at::Tensor& qkv, const at::Tensor& cos, cons
       std::memcpy(vc + slot * Hkv * D, row + (H + Hkv) * D, sizeof(float) * Hkv * D);
     }
   });
-  return attention_rows(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, tree_base, tree_mask);
+  return attention_rows(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, tree_base, tree_mask,
+                        window, sinks, softcap);
 }
 
 TORCH_LIBRARY(SPECDEC_LIB, m) {
   m.def("attention_rows(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, float scale, Tensor? tree_base, Tensor? tree_mask) -> Tensor", &attention_rows);
+        "Tensor query_start_loc, float scale, Tensor? tree_base, Tensor? tree_mask, int window, Tensor? sinks, "
+        "float softcap) -> Tensor", &attention_rows);
   m.def("qkv_attention_rows(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int num_heads, "
-        "Tensor? tree_base, Tensor? tree_mask) -> Tensor", &qkv_attention_rows);
+        "Tensor? tree_base, Tensor? tree_mask, int window, Tensor? sinks, float softcap) -> Tensor", &qkv_attention_rows);
 }
