@@ -46,8 +46,9 @@ def measure(paths: dict[str, str], method: str, batch: int, max_tokens: int) -> 
             "eagle": {"method": "eagle", "model": paths["head"], "num_speculative_tokens": 3},
             "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                       "prompt_lookup_min": 1}}[method]
+    # the torch attention path: no C++ extension to build, and the comparison is about what runs outside it
     llm = LLM(model=paths["target"], dtype="float32", device="cpu", seed=0, max_model_len=512, max_num_seqs=batch,
-              speculative_config=spec)
+              attention_backend="torch", speculative_config=spec)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
