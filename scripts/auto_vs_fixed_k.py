@@ -17,6 +17,7 @@ import time
 from specdec import LLM, SamplingParams
 from specdec.bench.driver import CODE_PROMPTS
 from specdec.bench.roofline import measure_bandwidth
+from specdec.worker.shared_weights import SharedWeights
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--target", default="Qwen2.5-Coder-1.5B-Instruct")
@@ -42,17 +43,18 @@ def draft(k, **extra):
             "quantization": args.draft_quantization, **extra}
 
 
-first = LLM(model=args.target, **common, speculative_config=draft(args.ks[0]))
+weights = SharedWeights()  # one copy of the target for every engine
+first = LLM(model=args.target, target_weights=weights, **common, speculative_config=draft(args.ks[0]))
 engines = {f"K={args.ks[0]}": first}
 for k in args.ks[1:]:
-    engines[f"K={k}"] = LLM(model=args.target, share_weights_with=first, **common, speculative_config=draft(k))
-engines["auto"] = LLM(model=args.target, share_weights_with=first, **common,
+    engines[f"K={k}"] = LLM(model=args.target, target_weights=weights, **common, speculative_config=draft(k))
+engines["auto"] = LLM(model=args.target, target_weights=weights, **common,
                       speculative_config=draft("auto", max_num_speculative_tokens=args.max_k))
 for n in args.draft_vocab_sizes:
-    engines[f"K={args.ks[0]} vocab {n}"] = LLM(model=args.target, share_weights_with=first, **common,
+    engines[f"K={args.ks[0]} vocab {n}"] = LLM(model=args.target, target_weights=weights, **common,
                                                speculative_config=draft(args.ks[0], draft_vocab_size=n))
 if args.plain:
-    engines["plain"] = LLM(model=args.target, share_weights_with=first, **common)
+    engines["plain"] = LLM(model=args.target, target_weights=weights, **common)
 tok = first.tokenizer
 ids = [tok.encode(p) for p in CODE_PROMPTS[: args.num_prompts]]
 params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)

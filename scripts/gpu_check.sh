@@ -268,13 +268,13 @@ def _():
     engine = R["engine"] = {}
     acceptance, k = 0.8, 5
     t0 = time.time()
+    import specdec.bench  # noqa: F401  (registers the "replay" method)
     llm = LLM(model=ckpt, dtype="bfloat16", device=device.type, max_model_len=2048, seed=0,
               gpu_memory_utilization=0.6,
               speculative_config={"method": "replay", "acceptance": acceptance, "num_speculative_tokens": k})
     engine["load_s"] = time.time() - t0
     try:
-        from specdec.worker.setup import _attention_backend
-        engine["attention_backend"] = _attention_backend(llm.config, device).name
+        engine["attention_backend"] = llm.engine.runtime_plan.attention_backend
     except Exception as e:  # noqa: BLE001 - informational only
         engine["attention_backend"] = f"{llm.config.attention_backend} ({type(e).__name__})"
     prompt = list(range(3, 3 + 64))
@@ -303,7 +303,7 @@ def _():
     first, engine["first_plain_s"] = timed_generate(plain, "first_plain")
     reference, _ = timed_generate(plain, "second_plain")
     engine["first_plain_equals_second"] = list(first.token_ids) == list(reference.token_ids)
-    llm.engine.executor.collective_rpc("set_replay_references", [(prompt, list(reference.token_ids))])
+    llm.engine.executor.control_proposer("set_references", [(prompt, list(reference.token_ids))])
     _, engine["first_spec_s"] = timed_generate(spec_params, "first_spec")
     out, t = timed_generate(plain, "plain")
     engine["decode_tok_s"] = len(out.token_ids) / t

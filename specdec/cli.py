@@ -6,6 +6,7 @@ import json
 import sys
 
 from specdec.config import QUANTIZATION_METHODS
+from specdec.spec_decode.methods import method_names
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
@@ -28,7 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     g.add_argument("--quantization", default=None, choices=list(QUANTIZATION_METHODS),
                    help="target weights: int8 (per channel) or int4 (groups of 128) weight-only; w8a8 / w4a8: "
                         "the same weights with int8 activations (CPU: AVX-512 VNNI or AVX2); int8_dynamic; fp8")
-    g.add_argument("--speculative-config", default=None, help="JSON, e.g. '{\"method\": \"ngram\", ...}'")
+    g.add_argument("--speculative-config", default=None,
+                   help=f"JSON, e.g. '{{\"method\": \"ngram\", ...}}'; methods: {', '.join(method_names())}")
     g.add_argument("--speculative-model", default=None)
     g.add_argument("--num-speculative-tokens", default=None)
     g.add_argument("--no-speculation", action="store_true", help="with the default model: turn the draft off")
@@ -63,10 +65,11 @@ def engine_kwargs(args) -> dict:
     return kw
 
 
-def make_llm(args):
+def make_llm(args, **llm_kwargs):
+    """The ``LLM`` the engine flags describe; ``llm_kwargs``: more ``LLM`` arguments (``target_weights``)."""
     from specdec import LLM
 
-    kw = engine_kwargs(args)
+    kw = {**engine_kwargs(args), **llm_kwargs}
     if args.model is None and not args.no_speculation:
         from specdec.models.default import default_engine_kwargs
 

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
-SPEC_METHODS = ("draft_model", "eagle", "eagle3", "ngram", "suffix", "replay")
-DRAFTING_METHODS = ("draft_model", "eagle", "eagle3")  # a model that scores its candidates
+from specdec.spec_decode.methods import get_method, registered_methods
+
 MAX_SPEC_TOKENS = 16
 MAX_TREE_TOPK = 8
 MAX_TREE_NODES = 64
@@ -27,7 +28,7 @@ class SpeculativeConfig:
     quantization: str | None = None  # one of QUANTIZATION_METHODS, for the draft
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    acceptance: float = 0.8  # "replay" (benchmark only): probability a proposed token is kept correct
+    acceptance: float = 0.8  # "replay" (benchmark only, ``specdec.bench.replay``): probability a proposed token is kept
     # token trees (methods "eagle", "eagle3" and "draft_model"): the draft keeps its top ``tree_topk``
     # candidates per expanded node, expands the ``tree_topk`` likeliest nodes of each depth up to K,
     # and sends its ``tree_nodes`` likeliest nodes to verification (``specdec.spec_decode.tree``); 1 = a chain.
@@ -44,9 +45,8 @@ class SpeculativeConfig:
     draft_vocab: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}")
-        if self.method in DRAFTING_METHODS and not self.model:
+        method = get_method(self.method)  # the method's own checks run last, on a config checked here
+        if method.needs_model and not self.model:
             raise ValueError(f"speculative_config.model (the draft model or head) is required for method "
                              f"{self.method!r}")
         k = self.num_speculative_tokens
@@ -58,33 +58,26 @@ class SpeculativeConfig:
                 )
         elif not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPEC_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be in 1..{MAX_SPEC_TOKENS} or 'auto', got {k!r}")
-        if (self.draft_vocab_size is not None or self.draft_vocab is not None) and (
-                self.method != "draft_model" or self.draft_tensor_parallel_size != 1):
-            raise ValueError("speculative_config.draft_vocab_size / draft_vocab apply to method 'draft_model' with "
-                             f"draft_tensor_parallel_size 1, got method {self.method!r}, draft_tensor_parallel_size "
-                             f"{self.draft_tensor_parallel_size} (EAGLE heads carry their own draft vocabulary)")
+        if (self.draft_vocab_size is not None or self.draft_vocab is not None) and not method.supports_draft_vocab:
+            raise ValueError(f"speculative_config.draft_vocab_size / draft_vocab apply to method "
+                             f"{_either(n for n, m in registered_methods().items() if m.supports_draft_vocab)}, "
+                             f"got {self.method!r} (EAGLE heads carry their own draft vocabulary)")
         if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int)
                                                   or isinstance(self.draft_vocab_size, bool)):
             raise ValueError(f"speculative_config.draft_vocab_size must be an int, got {self.draft_vocab_size!r}")
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"speculative_config.quantization must be one of {QUANTIZATION_METHODS}, "
                              f"got {self.quantization!r}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError(
-                f"speculative_config needs 1 <= prompt_lookup_min ({self.prompt_lookup_min}) "
-                f"<= prompt_lookup_max ({self.prompt_lookup_max})"
-            )
-        if not 0.0 <= self.acceptance <= 1.0:
-            raise ValueError(f"speculative_config.acceptance must be in [0, 1], got {self.acceptance}")
         if not isinstance(self.tree_topk, int) or not 1 <= self.tree_topk <= MAX_TREE_TOPK:
             raise ValueError(f"speculative_config.tree_topk must be in 1..{MAX_TREE_TOPK}, got {self.tree_topk!r}")
         if self.tree_nodes is not None and (not isinstance(self.tree_nodes, int)
                                             or not 1 <= self.tree_nodes <= MAX_TREE_NODES):
             raise ValueError(f"speculative_config.tree_nodes must be in 1..{MAX_TREE_NODES}, got {self.tree_nodes!r}")
-        if self.is_tree:
-            if self.method not in DRAFTING_METHODS:
-                raise ValueError(f"speculative_config.tree_topk > 1 needs method 'eagle', 'eagle3' or 'draft_model' (a draft "
-                                 f"that scores candidates), got {self.method!r}")
+        if self.is_tree and not method.supports_tree:
+            raise ValueError(f"speculative_config.tree_topk > 1 needs method "
+                             f"{_either(n for n, m in registered_methods().items() if m.supports_tree)} (a draft "
+                             f"that scores candidates), got {self.method!r}")
+        method.validate(self)
 
     @property
     def is_adaptive(self) -> bool:
@@ -135,6 +128,12 @@ class SpeculativeConfig:
 
             value = {**(speculative_defaults(value["model"]) or {}), **value}  # as vLLM: the checkpoint says
         return cls(**value)
+
+
+def _either(names: Iterable[str]) -> str:
+    """'a', 'b' or 'c'"""
+    quoted = [repr(n) for n in names]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ from specdec.config import EngineConfig
 from specdec.engine.engine_core import EngineCore
 from specdec.outputs import RequestOutput
 from specdec.sampling_params import SamplingParams
+from specdec.worker.shared_weights import SharedWeights
 
 PromptType = str | list[int]
 
@@ -15,10 +16,11 @@ PromptType = str | list[int]
 class LLM:
     """vLLM-compatible offline entry point. Keyword arguments are ``EngineConfig`` fields,
     plus ``speculative_config`` (dict / JSON) or the older ``speculative_model`` +
-    ``num_speculative_tokens``. ``share_weights_with``: another ``LLM`` whose target weights this
-    one runs on instead of loading a copy (benchmarks comparing proposers on one model)."""
+    ``num_speculative_tokens``. ``target_weights``: a ``SharedWeights`` that hands this engine
+    the target's weights another engine of the process loaded, or keeps the ones this engine
+    loads (benchmarks comparing proposers on one copy of the model)."""
 
-    def __init__(self, model: str | None = None, share_weights_with: LLM | None = None, **kwargs):
+    def __init__(self, model: str | None = None, target_weights: SharedWeights | None = None, **kwargs):
         if model is None:
             from specdec.models.default import default_engine_kwargs
 
@@ -26,7 +28,7 @@ class LLM:
             for key, value in defaults.items():
                 kwargs.setdefault(key, value)
         self.config = EngineConfig.from_kwargs(model, **kwargs)
-        self.engine = EngineCore(self.config, share_weights_with.engine if share_weights_with else None)
+        self.engine = EngineCore(self.config, target_weights)
         self._counter = itertools.count()
 
     @property
@@ -129,3 +131,8 @@ class LLM:
 
     def get_metrics(self) -> dict:
         return self.engine.get_metrics()
+
+    def apply_model(self, fn) -> list:
+        """``fn(target model)`` on every rank, in rank order (vLLM's name): inspect the model as
+        loaded (packed, quantized) without reaching into the engine."""
+        return self.engine.executor.apply_model(fn)

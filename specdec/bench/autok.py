@@ -2,7 +2,8 @@
 
 One engine with ``"num_speculative_tokens": "auto"`` serves every policy: for each prompt the
 policies run in turn (the order rotating from prompt to prompt), a fixed K through
-``SpecController.fix_k`` (the steps of a fixed K teach "auto" nothing). Decode tokens/s per policy
+``EngineCore.set_speculation_policy(SpecController.fixed(k))`` (the steps of a fixed K teach
+"auto" nothing). Decode tokens/s per policy
 and round, and the paired figures: "auto" over the best fixed K of the same round, and over the
 fixed K chosen on held-out prompts (``held_out_ratio``). Separate engine
 processes on a shared machine can differ between runs by more than neighbouring K do; alternating
@@ -16,6 +17,7 @@ from specdec.bench import driver
 from specdec.bench.cli import add_common_args, engine_args
 from specdec.bench.report import format_table, median, result_header, run_benchmark
 from specdec.bench.roofline import measure_bandwidth
+from specdec.spec_decode.controller import SpecController
 from specdec.spec_decode.metrics import AcceptanceCounts
 
 
@@ -68,11 +70,12 @@ def measure(args) -> dict:
         for i, prompt in enumerate(prompts):
             shift = (i + len(rounds)) % len(policies)
             for policy in policies[shift:] + policies[:shift]:
-                ctl.fix_k(None if policy == "auto" else policy)
+                auto = None if policy == "auto" else llm.engine.set_speculation_policy(SpecController.fixed(policy))
                 try:
                     out = driver.timed_generate(llm, [prompt], params)
                 finally:
-                    ctl.fix_k(None)
+                    if auto is not None:
+                        llm.engine.set_speculation_policy(auto)
                 per_prompt[policy][i] = (out.num_decode_tokens, out.decode_s)
                 counts[policy].merge(out.acceptance)
         rates = {p: _rate(per_prompt[p], range(len(prompts))) for p in policies}

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from specdec.sampling_params import SamplingParams
+from specdec.spec_decode.methods import get_method
 from specdec.spec_decode.metrics import AcceptanceCounts
 
 _request_ids = itertools.count()
@@ -203,9 +204,18 @@ def greedy_params(output_len: int, temperature: float = 0.0, seed: int | None = 
     return SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=seed)
 
 
+def takes_references(llm) -> bool:
+    """Whether the engine's proposer follows given continuations (the "replay" method's control)."""
+    spec = llm.engine.config.speculative_config
+    return spec is not None and "set_references" in get_method(spec.method).controls
+
+
 def register_references(llm, prompts: list[list[int]], continuations: list[list[int]]) -> bool:
     """Give a replay proposer the target's own greedy continuations; False if it is another method."""
-    return llm.engine.executor.collective_rpc("set_replay_references", list(zip(prompts, continuations)))
+    if not takes_references(llm):
+        return False
+    llm.engine.executor.control_proposer("set_references", list(zip(prompts, continuations)))
+    return True
 
 
 def warmup(llm, num_tokens: int = 8, seed: int = 12345) -> None:
@@ -230,10 +240,11 @@ def draft_cost_ratio(llm, num_tokens: int, repeats: int = 5) -> dict | None:
     Uses ``time_forward``, which writes KV slots of free blocks: call it before the engine
     serves any request (a prefix-cached block it overwrote would go stale).
     """
-    worker = llm.engine.executor.driver_worker
-    if worker.draft_runner is None:
+    spec = llm.engine.config.speculative_config
+    if spec is None or not get_method(spec.method).has_draft_model:
         return None
-    t_target = min(worker.time_forward("target", num_tokens) for _ in range(repeats))
-    t_draft = min(worker.time_forward("draft", num_tokens) for _ in range(repeats))
+    executor = llm.engine.executor
+    t_target = min(executor.collective_rpc("time_forward", "target", num_tokens) for _ in range(repeats))
+    t_draft = min(executor.collective_rpc("time_forward", "draft", num_tokens) for _ in range(repeats))
     return {"num_tokens": num_tokens, "target_forward_s": t_target, "draft_forward_s": t_draft,
             "cost_ratio": t_draft / t_target, "source": "time_forward"}

@@ -152,7 +152,7 @@ def measure(args) -> dict:
     driver.warmup(base)
     if has_speculation(args):
         spec = make_llm(engine_args(args, max_model_len=need))
-        if spec.engine.config.speculative_config.method == "replay":  # the target's own path
+        if driver.takes_references(spec):  # replay: the target's own path
             driver.register_references(spec, prompts, driver.timed_generate(base, prompts, params).token_ids)
         driver.warmup(spec)
         engines[f"speculative ({spec.engine.config.speculative_config.method})"] = spec

@@ -189,7 +189,7 @@ def engine_roofline(llm, bandwidth: float, mean_context_len: float, batch_size: 
                     flops_per_s: float | None = None) -> Roofline:
     """The roofline of an ``LLM``'s target model as loaded (dtype, packing, quantization)."""
     engine = llm.engine
-    weights = weight_bytes(engine.executor.driver_worker.runner.model)
+    weights = llm.apply_model(weight_bytes)[0]  # the driver's (its shard under tensor parallelism)
     kv = kv_bytes_per_token(engine.model_config, engine.dtype)
     return roofline(bandwidth, weights, kv, mean_context_len, batch_size, flops_per_s,
                     attention_flops_per_context_token(engine.model_config))

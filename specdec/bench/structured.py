@@ -91,12 +91,14 @@ def _run(llm, prompt_ids, params, batch: int) -> dict:
 
 def bench_structured(args) -> dict:
     from specdec import LLM
+    from specdec.worker.shared_weights import SharedWeights
     from specdec.cli import engine_kwargs
 
     kw = engine_kwargs(args)
     spec_kw = {k: v for k, v in kw.items() if k != "speculative_config"}
-    off = LLM(model=args.model, **dict(spec_kw, speculative_config=None))
-    spec = LLM(model=args.model, share_weights_with=off, **kw)
+    weights = SharedWeights()
+    off = LLM(model=args.model, target_weights=weights, **dict(spec_kw, speculative_config=None))
+    spec = LLM(model=args.model, target_weights=weights, **kw)
     engines = {"off": off, "spec": spec}
     results = {}
     for wname, batch in ((w, b) for w in args.workloads for b in args.batch_sizes):

@@ -3,8 +3,8 @@
 The "replay" proposer proposes the target's own greedy continuation (computed first,
 without speculation) and corrupts each token with probability 1 - a, so acceptance is set
 by the benchmark, not by a draft model, and drafting costs ~nothing (c ~ 0). For each K an
-engine is built (K is fixed per engine), ``proposer.acceptance`` is set between runs, and
-each repetition times, for every a, the plain engine and then the speculative one on the same
+engine is built (K is fixed per engine), the acceptance is set between runs (the replay
+proposer's "set_acceptance" control), and each repetition times, for every a, the plain engine and then the speculative one on the same
 prompts (each ratio from two adjacent runs). The bound
 uses the *measured* per-token acceptance and cost ratio; efficiency = speedup / bound
 isolates the engine's own overhead (a verify step costing more than a plain step,
@@ -50,15 +50,17 @@ def measure(args) -> dict:
         raise ValueError("--acceptances must be in [0, 1] and --ks >= 1")
     from specdec.worker.calibrate import time_verify_forward
     from specdec.worker.model_runner import ModelRunner
+    from specdec.worker.shared_weights import SharedWeights
 
-    base = make_llm(engine_args(args, speculative=False))
+    weights = SharedWeights()
+    base = make_llm(engine_args(args, speculative=False), target_weights=weights)
     # the model's own price of K + 1 rows: what verification costs on this hardware however little
     # the engine adds around it. Timed on the same weights with a KV cache of its own, right before
     # each pair of runs (the price moves with the VM's bandwidth phase: 1.05x vs 1.28x a row at K=5)
     context = args.input_len + args.output_len // 2
-    runner = base.engine.executor.driver_worker.runner
-    blocks = args.batch_size * (-(-(context + max(args.ks) + 1) // runner.block_size))
-    probe = ModelRunner(runner.model, blocks, runner.block_size, runner.device, runner.dtype)
+    block_size = base.engine.config.block_size
+    blocks = args.batch_size * (-(-(context + max(args.ks) + 1) // block_size))
+    probe = ModelRunner(weights.model, blocks, block_size, base.engine.device, base.engine.dtype)
 
     def forward_ratio_now(k: int) -> float:
         one = time_verify_forward(probe, args.batch_size, 1, context, repeats=2)
@@ -82,7 +84,7 @@ def measure(args) -> dict:
                 ratios[a].append(forward_ratio_now(k))
                 base_runs[a].append(driver.timed_generate(base, prompts, params))
                 base_rates.append(base_runs[a][-1].decode_tokens_per_s)
-                llm.engine.executor.collective_rpc("set_replay_acceptance", a)
+                llm.engine.executor.control_proposer("set_acceptance", a)
                 spec_runs[a].append(driver.timed_generate(llm, prompts, params))
         for a in args.acceptances:
             cell = {"k": k, "acceptance_set": a, **summarize_runs(spec_runs[a]),

@@ -49,7 +49,7 @@ def measure(args) -> dict:
     rows, all_bandwidths = [], []
     for b in args.batch_sizes:
         for engine_llm in {id(base): base, id(llm): llm}.values():
-            engine_llm.engine.scheduler.max_num_seqs = b  # concurrency = B for this row
+            engine_llm.engine.set_max_num_seqs(b)  # concurrency = B for this row
         base_runs, spec_runs, bandwidths = [], [], []
         for rep in range(args.num_iters):
             bandwidths.append(measure_bandwidth(args.bandwidth_mib << 20, repeats=3, device=base.engine.device))

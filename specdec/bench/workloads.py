@@ -63,7 +63,8 @@ def open_prompts(n: int) -> list[list[dict]]:
 def run_config(llm, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[float, int, dict]:
     # the suffix store would otherwise hold this very output from the previous repetition
     # (and from the other copies of a prompt in "batch"): each run starts with an empty one
-    llm.engine.reset_proposer_history()
+    if llm.engine.config.speculative_config is not None:
+        llm.engine.executor.control_proposer("reset_history")
     before = dict(llm.get_metrics())
     gc.collect()  # not the garbage of the previous configuration's run
     t = time.perf_counter()
@@ -83,23 +84,23 @@ def run_config(llm, prompt_ids: list[list[int]], params: SamplingParams) -> tupl
 
 def bench_workloads(args) -> dict:
     from specdec import LLM
+    from specdec.worker.shared_weights import SharedWeights
     from specdec.cli import engine_kwargs
 
     base_kwargs = engine_kwargs(args)
     base_kwargs.pop("speculative_config", None)
     configs = {"off": None}
     for method in args.methods:
-        spec = {"method": method, "num_speculative_tokens": args.k}
-        if method == "ngram":
-            spec.update(prompt_lookup_min=1, prompt_lookup_max=4)
+        spec = {"method": method, "num_speculative_tokens": args.k}  # ngram: prompt_lookup 1..4, the defaults
         configs[method] = spec
         configs[f"{method}-auto"] = dict(spec, num_speculative_tokens="auto", max_num_speculative_tokens=args.k)
     configs["off-again"] = None  # the A/A control (short workloads only)
     # one copy of the weights for every engine (none of these proposers has a model of its own):
     # engines with their own copies differ in speed by where each copy's pages landed
-    first = LLM(model=args.model, **base_kwargs)
+    weights = SharedWeights()
+    first = LLM(model=args.model, target_weights=weights, **base_kwargs)
     engines = {name: first if spec is None and name == "off" else
-               LLM(model=args.model, speculative_config=spec, share_weights_with=first, **base_kwargs)
+               LLM(model=args.model, speculative_config=spec, target_weights=weights, **base_kwargs)
                for name, spec in configs.items()}
     gc.collect()
     workloads = {

@@ -25,14 +25,22 @@ from specdec.spec_decode.controller import SpecController
 from specdec.spec_decode.metrics import SpecDecodeMetrics
 from specdec.structured_output.backend import backend_key, get_backend
 from specdec.structured_output.params import StructuredOutputsParams
+from specdec.worker.shared_weights import SharedWeights
 from specdec.worker.worker import Worker
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, share_weights_with: EngineCore | None = None):
-        """``share_weights_with``: run on that engine's target weights instead of loading a copy
-        (benchmarks comparing proposers over one set of weights)."""
+    def __init__(self, config: EngineConfig, target_weights: SharedWeights | None = None):
+        """``target_weights``: take the target's weights from it, or load them and leave them
+        there, so several engines of one process run on one copy (``worker/shared_weights.py``)."""
         self.config = config
+        if config.tensor_parallel_size > 1:
+            from specdec.executor.multiproc_executor import check_not_bootstrapping
+
+            check_not_bootstrapping()
+            if target_weights is not None:
+                raise ValueError("target_weights (one copy of the weights for several engines) needs "
+                                 f"tensor_parallel_size 1, got {config.tensor_parallel_size}")
         info = resolve_model_info(config)
         self.tokenizer = info.tokenizer
         self.model_path = info.model_path
@@ -47,18 +55,16 @@ class EngineCore:
 
             self.executor = MultiprocExecutor(config, worker_args)
         else:
-            shared = share_weights_with.executor.driver_worker.runner.model if share_weights_with else None
-            self.executor = UniprocExecutor(Worker(config, *worker_args, shared_model=shared))
-        worker = self.executor.driver_worker
-        self.device, self.dtype = worker.device, worker.dtype
+            self.executor = UniprocExecutor(Worker(config, *worker_args, target_weights=target_weights))
+        self.runtime_plan = self.executor.runtime_plan
+        self.device, self.dtype = self.runtime_plan.device, self.runtime_plan.dtype
         self.kv = KVCacheManager(self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                  info.kv_sliding_window)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.enable_chunked_prefill, stop_checker=self.output)
         spec = config.speculative_config
-        self.spec_controller = SpecController.build(spec, worker.proposer.has_draft_model, self.max_model_len) \
-            if spec else None
+        self.spec_controller = SpecController.build(spec, self.max_model_len) if spec else None
         if self.spec_controller is not None and self.spec_controller.adaptive and config.spec_cost_calibration:
             self.spec_controller.calibrate(lambda kind, n: self.executor.collective_rpc("time_forward", kind, n))
         self.spec_metrics = SpecDecodeMetrics(method=spec.method if spec else "none")
@@ -158,9 +164,29 @@ class EngineCore:
     def remove_step_observer(self, observer: Callable[[StepRecord], None]) -> None:
         self.step_observers.remove(observer)
 
-    def reset_proposer_history(self) -> None:
-        """Forget what finished requests taught the proposer (benchmark repetitions)."""
-        self.executor.collective_rpc("reset_proposer_history")
+    def set_speculation_policy(self, policy: SpecController) -> SpecController:
+        """Plan the following steps' drafts with ``policy`` (``plan`` / ``observe`` / ``forget``,
+        e.g. ``SpecController.fixed(k)``); returns the policy it replaces, which learns nothing
+        from those steps. One "auto" engine then compares "auto" with fixed K on the same machine
+        state (``specdec bench autok``). The policy may plan up to the slots the config reserves."""
+        spec = self.config.speculative_config
+        if spec is None or not 0 <= policy.max_k <= spec.num_spec_slots:
+            slots = spec.num_spec_slots if spec is not None else 0
+            raise ValueError(f"a speculation policy of this engine may plan 0..{slots} drafts per request "
+                             f"(the slots its speculative_config reserves), got {policy.max_k}")
+        previous = self.spec_controller
+        self.step_observers.remove(previous.observe)
+        self.spec_controller = policy
+        self.step_observers.append(policy.observe)
+        return previous
+
+    def set_max_num_seqs(self, max_num_seqs: int) -> None:
+        """Run at most ``max_num_seqs`` requests at once from the next step on (benchmarks sweep the
+        batch size on one engine); the KV cache and graphs were sized for ``config.max_num_seqs``."""
+        if not isinstance(max_num_seqs, int) or not 1 <= max_num_seqs <= self.config.max_num_seqs:
+            raise ValueError(f"max_num_seqs must be in 1..{self.config.max_num_seqs} (the engine's "
+                             f"config.max_num_seqs), got {max_num_seqs!r}")
+        self.scheduler.max_num_seqs = max_num_seqs
 
     def get_metrics(self) -> dict:
         out = self.spec_metrics.as_dict()

@@ -12,13 +12,17 @@ Ranks are spawned here (torch.multiprocessing, spawn) on one node, or were start
 any launcher that sets ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``: then every
 rank runs the same command and the ranks above 0 serve the driver until it stops, then exit.
 A rank that dies or hangs makes the driver raise within the process group's timeout
-(``SPECDEC_DIST_TIMEOUT``, 30 s by default), naming the rank where it can.
+(``SPECDEC_DIST_TIMEOUT``, 30 s by default), naming the rank where it can; a spawned rank that
+exits before it starts serving (an unguarded script: see ``check_not_bootstrapping``) at once.
 """
 from __future__ import annotations
 
 import functools
+import importlib
+import multiprocessing
 import os
 import pickle
+import queue
 import socket
 import sys
 import time
@@ -34,8 +38,45 @@ from specdec.distributed.parallel_state import (
 )
 from specdec.engine.scheduler_output import SchedulerOutput
 from specdec.executor.executor import Executor
+from specdec.spec_decode.methods import registering_modules
 from specdec.worker.model_runner_output import ModelRunnerOutput
 from specdec.worker.worker import Worker
+
+
+UNGUARDED_MAIN = (
+    "tensor_parallel_size > 1 starts one process per rank with multiprocessing's 'spawn', and each "
+    "re-imports the script that created the engine: create it under `if __name__ == \"__main__\":` "
+    "(torchrun-started ranks need no guard)")
+_UNGUARDED_EXIT_CODE = 87  # a spawned rank that found itself re-running the script's engine
+
+
+def check_not_bootstrapping() -> None:
+    """Refuse to build a tensor-parallel engine while this process is a spawned rank importing its
+    parent's main module: the parent's script creates its engine at import, without the guard.
+    The rank exits with a code the parent recognises, which then raises the same error."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # set during spawn's bootstrap
+        print(f"specdec: {UNGUARDED_MAIN}", file=sys.stderr, flush=True)
+        raise SystemExit(_UNGUARDED_EXIT_CODE)
+
+
+def _wait_until_started(procs: list, started, deadline_s: float) -> None:
+    """Each spawned rank reports its rank once it runs ``_rank_main`` (its bootstrap done); one that
+    exits first stops the engine here, not after the process group's timeout."""
+    pending = set(range(1, len(procs) + 1))
+    deadline = time.monotonic() + deadline_s
+    while pending and time.monotonic() < deadline:
+        try:
+            pending.discard(started.get(timeout=0.05))
+            continue
+        except queue.Empty:
+            pass
+        for rank, proc in enumerate(procs, start=1):
+            if rank in pending and proc.exitcode is not None:
+                for other in procs:
+                    other.kill()
+                if proc.exitcode == _UNGUARDED_EXIT_CODE:
+                    raise RuntimeError(UNGUARDED_MAIN)
+                raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.exitcode}) before it started")
 
 
 def _free_port() -> int:
@@ -75,7 +116,11 @@ def _serve(worker: Worker, tp: TensorParallelGroup, receive) -> None:
             return
 
 
-def _rank_main(rank: int, world: int, address: tuple[str, int], cfg, worker_args: tuple, commands) -> None:
+def _rank_main(rank: int, world: int, address: tuple[str, int], cfg, worker_args: tuple, commands, started,
+               method_modules: tuple[str, ...]) -> None:
+    started.put(rank)
+    for module in method_modules:  # methods registered in the driver's process (benchmark-only ones too)
+        importlib.import_module(module)
     device_type = _device_type(cfg)
     _set_threads(cfg, world, device_type)
     tp = init_tensor_parallel(rank, world, device_type, address)
@@ -106,13 +151,16 @@ class MultiprocExecutor(Executor):
                                  f"{torch.cuda.device_count()} are visible")
             address = ("127.0.0.1", _free_port())
             ctx = torch.multiprocessing.get_context("spawn")
+            started = ctx.Queue()
             for rank in range(1, world):
                 commands = ctx.SimpleQueue()
-                proc = ctx.Process(target=_rank_main, args=(rank, world, address, cfg, worker_args, commands),
-                                   name=f"specdec-tp-rank{rank}", daemon=True)
+                proc = ctx.Process(target=_rank_main, name=f"specdec-tp-rank{rank}", daemon=True,
+                                   args=(rank, world, address, cfg, worker_args, commands, started,
+                                         registering_modules()))
                 proc.start()
                 self._procs.append(proc)
                 self._queues.append(commands)
+            _wait_until_started(self._procs, started, timeout_seconds())
             tp = init_tensor_parallel(0, world, device_type, address)
         self.tp = tp
         self.driver_worker = Worker(cfg, *worker_args, tp=tp)
@@ -123,6 +171,10 @@ class MultiprocExecutor(Executor):
     @property
     def num_kv_blocks(self) -> int:
         return self.driver_worker.num_kv_blocks
+
+    @property
+    def runtime_plan(self):
+        return self.driver_worker.plan
 
     def _send(self, command: str, payload=None) -> float:
         self._check_ranks()

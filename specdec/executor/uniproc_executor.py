@@ -15,6 +15,10 @@ class UniprocExecutor(Executor):
     def num_kv_blocks(self) -> int:
         return self.driver_worker.num_kv_blocks
 
+    @property
+    def runtime_plan(self):
+        return self.driver_worker.plan
+
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver_worker.execute(sched)
 

@@ -388,6 +388,10 @@ def prepare_for_inference(model: nn.Module, quantization: str | None, device: to
     widened to float32 (``widen_to_float32``): a float32 model without a float32 copy of the weights
     ever being made."""
     dtype = next(model.parameters()).dtype
+    if quantization is None and device.type == "cuda":  # float experts: the Triton fused-MoE kernel
+        from specdec.layers.moe import fuse_experts
+
+        fuse_experts(model)
     if quantization in QUANTIZATIONS:
         if quantization in _CPU_ONLY and device.type != "cpu":
             raise ValueError(f"quantization {quantization!r} runs on CPU only; use 'int8' / 'int4' on GPUs")

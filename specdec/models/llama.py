@@ -279,8 +279,8 @@ class LlamaForCausalLM(nn.Module):
         if fused == "qkv_proj":
             attn = self.layers[0].self_attn
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        else:
-            sizes = [self.layers[0].mlp.intermediate_size] * 2
+        else:  # the owning module's size: dense and expert feed-forwards may differ
+            sizes = [self.get_submodule(name.rsplit(".", 2)[0]).intermediate_size] * 2
         offset = sum(sizes[:shard])
         _copy_checked(param.data.narrow(0, offset, sizes[shard]), tensor, name.replace(fused, f"{fused}[{shard}]"))
 

@@ -17,6 +17,10 @@ _ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    # mixture-of-experts families: expert counts and sizes come as ``extra`` config fields
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 
@@ -51,11 +55,12 @@ def make_tiny_model(
     out_dir: str | Path, arch: str = "llama", vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 2,
     num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128, tie_word_embeddings: bool = False,
     max_position_embeddings: int = 1024, seed: int = 0, max_shard_size: str | None = None, tokenizer=None,
-    random_norms_and_biases: bool = False, **extra,
+    random_norms_and_biases: bool = False, router_scale: float = 1.0, **extra,
 ) -> Path:
     """Write a random checkpoint. ``random_norms_and_biases`` replaces the ones/zeros that
     transformers initialises norms and biases with by random values, so parity tests notice a
-    norm or bias that is loaded wrongly or not applied."""
+    norm or bias that is loaded wrongly or not applied. ``router_scale`` multiplies the router
+    matrices of mixture-of-experts layers, so that rows route to different experts."""
     import transformers
 
     if arch not in _ARCHS:
@@ -83,6 +88,9 @@ def make_tiny_model(
     model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():  # larger logits than the default init, so sampling is not near-uniform
         model.lm_head.weight.mul_(8.0) if not tie_word_embeddings else model.model.embed_tokens.weight.mul_(4.0)
+        for name, param in model.named_parameters():
+            if name.endswith((".gate.weight", ".router.weight")) and param.dim() == 2:
+                param.mul_(router_scale)
         if random_norms_and_biases:
             for name, param in model.named_parameters():
                 if name.endswith("bias"):

@@ -19,18 +19,22 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import PlainTextResponse, Response
 
 import specdec
 from specdec.engine.engine_core import EngineCore
 from specdec.server.admission import Admission
 from specdec.server.allowed_hosts import AllowedHosts
 from specdec.server.async_engine import AsyncEngine, EngineDead
+from specdec.server.error_middleware import InternalErrors
+from specdec.server.json_response import StrictJSONResponse
 from specdec.server.limits import RequestLimits
 from specdec.server.metrics import ServerMetrics
+from specdec.server.openapi import GENERATION_ROUTES, error_responses, generation_responses, install_openapi
 from specdec.server.prepare import Preparer, max_token_chars
 from specdec.server.protocol import APIError
 from specdec.server.request_body import read_body
+from specdec.server.response_models import Health, ModelList, Version
 from specdec.server.serving import OpenAIServing
 from specdec.server.tokenizer_pool import TokenizerPool
 from specdec.tool_parsers import get_tool_parser, parser_for_template
@@ -100,8 +104,11 @@ def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
             logger.info("engine thread stopped")
 
     docs = {} if settings.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="specdec", version=specdec.__version__, lifespan=lifespan, **docs)
+    app = FastAPI(title="specdec", version=specdec.__version__, lifespan=lifespan,
+                  default_response_class=StrictJSONResponse, **docs)
+    install_openapi(app, preparer.models, settings.limits.max_body_bytes, settings.limits.max_schema_chars)
     app.state.async_engine, app.state.serving, app.state.metrics = async_engine, serving, metrics
+    app.add_middleware(InternalErrors, on_error=metrics.request_rejected)
     if settings.allowed_hosts:
         app.add_middleware(AllowedHosts, hosts=settings.allowed_hosts)
 
@@ -119,10 +126,10 @@ def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
 
     app.state.begin_drain = begin_drain
 
-    def error_response(e: APIError) -> JSONResponse:
+    def error_response(e: APIError, headers: dict | None = None) -> Response:
         metrics.request_rejected(e.status)
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        headers = {**(headers or {}), **({"WWW-Authenticate": "Bearer"} if e.status == 401 else {})}
+        return StrictJSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -134,12 +141,7 @@ def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        return error_response(APIError(e.status_code, str(e.detail)))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception):
-        logger.exception("unhandled error in %s", request.url.path)
-        return error_response(APIError(500, f"internal server error: {type(e).__name__}"))
+        return error_response(APIError(e.status_code, str(e.detail)), e.headers)  # 405 keeps its Allow
 
     async def check_api_key(request: Request) -> None:
         """A dependency of every /v1 route (not middleware: BaseHTTPMiddleware would sit
@@ -150,39 +152,43 @@ def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
 
     v1 = [Depends(check_api_key)]
 
-    @app.post("/v1/completions", dependencies=v1)
+    @app.post("/v1/completions", dependencies=v1, responses=generation_responses(*GENERATION_ROUTES["/v1/completions"]))
     async def completions(request: Request):
         body = await read_body(request, limits.max_body_bytes, limits.body_timeout)
         return await serving.completions(body, request)
 
-    @app.post("/v1/chat/completions", dependencies=v1)
+    @app.post("/v1/chat/completions", dependencies=v1,
+              responses=generation_responses(*GENERATION_ROUTES["/v1/chat/completions"]))
     async def chat_completions(request: Request):
         body = await read_body(request, limits.max_body_bytes, limits.body_timeout)
         return await serving.chat(body, request)
 
-    @app.get("/v1/models", dependencies=v1)
+    @app.get("/v1/models", dependencies=v1, responses={200: {"model": ModelList}, **error_responses(401)})
     async def models():
         data = [{"id": name, "object": "model", "created": started, "owned_by": "specdec",
                  "root": engine.config.model, "max_model_len": engine.max_model_len} for name in serving.model_names]
         return {"object": "list", "data": data}
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": Health}, 503: {"model": Health, "description": "engine dead or "
+                                                                                              "shutting down"}})
     async def health():
         """Liveness for probes, without internals (those are in /metrics)."""
         if not async_engine.is_alive:
-            return JSONResponse({"status": "engine_dead"}, status_code=503)
+            return StrictJSONResponse({"status": "engine_dead"}, status_code=503)
         if serving.draining:
-            return JSONResponse({"status": "shutting_down"}, status_code=503)
+            return StrictJSONResponse({"status": "shutting_down"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"},
+        **error_responses(401)})
     async def prometheus_metrics(request: Request):
         if settings.metrics_api_key and not _bearer_ok(request, settings.metrics_api_key):
             raise APIError(401, "missing or invalid metrics key (send 'Authorization: Bearer KEY')",
                            code="invalid_api_key")
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/version")
+    @app.get("/version", responses={200: {"model": Version}})
     async def version():
         return {"version": specdec.__version__}
 

@@ -56,6 +56,15 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                    help="the format the model writes tool calls in (default: the one its chat template shows: "
                         "<tool_call> tags -> hermes, Llama 3 markers -> llama3_json)")
+    g.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a request's headers, from opening or from its "
+                        "previous response, however slowly it sends them (then it is closed)")
+    g.add_argument("--max-connections", type=int, default=2048,
+                   help="open connections; one more is answered 503 and closed")
+    g.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection is kept open")
+    g.add_argument("--max-header-bytes", type=int, default=16384,
+                   help="bytes of a request line and headers (more is a 400)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g = p.add_argument_group("request limits (each breach is a 4xx naming the limit)")
     d = RequestLimits()
@@ -77,9 +86,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 def settings_from_args(args, name: str):
     from specdec.server.app import ServerSettings
 
+    for flag in ("max_connections", "max_header_bytes"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-    for flag in ("write_timeout", "shutdown_timeout"):
+    for flag in ("write_timeout", "shutdown_timeout", "header_timeout", "keep_alive_timeout"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     limits = RequestLimits(max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
@@ -102,6 +114,7 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from specdec.server.app import build_app
+    from specdec.server.connection_guard import guarded_protocol
 
     limit_malloc_arenas()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -109,6 +122,7 @@ def cmd_serve(args) -> int:
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
     settings = settings_from_args(args, args.served_model_name or args.model or "specdec-default")
+    _check_open_files(args.max_connections, log)
     llm = make_llm(args)
     server = None
 
@@ -119,7 +133,10 @@ def cmd_serve(args) -> int:
     settings.on_engine_death = engine_died
     app = build_app(llm.engine, settings)
     # uvicorn's own drain is the backstop: begin_drain ends every request at --shutdown-timeout
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    http = guarded_protocol(args.header_timeout, args.max_connections, app.state.metrics.connection_refused)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=http,
+                            timeout_keep_alive=args.keep_alive_timeout,
+                            h11_max_incomplete_event_size=args.max_header_bytes,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5.0,
                             access_log=args.log_level == "debug")
     server = _uvicorn_server_class()(config, on_exit_signal=app.state.begin_drain)
@@ -166,6 +183,20 @@ def _uvicorn_server_class():
                     signal.signal(sig, signal.SIG_IGN)
 
     return Server
+
+
+def _check_open_files(max_connections: int, log: logging.Logger) -> None:
+    """Warn when the open-files limit, not --max-connections, would bound the connections (the
+    server itself needs some descriptors: model files, pipes, the listening socket)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return
+    if soft != resource.RLIM_INFINITY and max_connections > soft - 64:
+        log.warning("--max-connections %d is above what the open-files limit (%d) allows; raise it "
+                    "(ulimit -n) or lower --max-connections", max_connections, soft)
 
 
 def _is_loopback(host: str) -> bool:

@@ -83,7 +83,10 @@ class ServerMetrics:
                                 ["finished_reason"])
         self._aborted = counter("request_aborted", "Prompts aborted (client gone, shutdown).").labels(model_name)
         self._failed = counter("request_failed", "Prompts failed by an engine step that raised.").labels(model_name)
-        self._rejected = counter("request_rejected", "Requests answered with an error, by HTTP status.", ["status"])
+        self._rejected = counter("request_rejected", "Requests answered with an error, by HTTP status (499: the "
+                                 "client closed its connection before its body arrived).", ["status"])
+        self._refused = counter("connections_refused", "Connections turned away at --max-connections.").labels(
+            model_name)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.").labels(model_name)
         self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(model_name)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS)
@@ -104,6 +107,9 @@ class ServerMetrics:
 
     def request_rejected(self, status: int) -> None:
         self._rejected.labels(self.model_name, str(status)).inc()
+
+    def connection_refused(self) -> None:
+        self._refused.inc()
 
     def observe_tokens(self, num_new: int, gap: float | None) -> None:
         """``num_new`` tokens arrived ``gap`` seconds after the previous delivery (None: first)."""

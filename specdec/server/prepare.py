@@ -10,12 +10,13 @@ values, so their errors are 400s before admission too.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdec.sampling_params import SamplingParams
 from specdec.server.limits import RequestLimits, check_limits
 from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from specdec.server.request_body import parse_request
+from specdec.server.request_models import RequestModels, request_models
 from specdec.server.structured import engine_error_param, request_constraint
 from specdec.structured_output import StructuredOutputsParams
 from specdec.server.tools import NO_TOOLS, ToolPlan, plan_tools
@@ -53,6 +54,11 @@ class Preparer:
     # EngineCore.compile_grammar (thread-safe, cached): a grammar that does not compile is a 400 here
     compile_grammar: Callable[[StructuredOutputsParams], object]
     tool_parser: ToolParser | None = None  # the model's tool-call format (--tool-call-parser or its template)
+    # what bodies are validated with, and /openapi.json publishes: the limits as schema constraints
+    models: RequestModels = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.models = request_models(self.limits, self.max_model_len, self.vocab_size)
 
     def check_model(self, name: str | None) -> str:
         if name is not None and name not in self.model_names:
@@ -62,7 +68,7 @@ class Preparer:
 
     def _common(self, req, num_prompts: int) -> tuple[str, SamplingParams, str | None, ToolPlan]:
         model = self.check_model(req.model)
-        check_limits(req, self.limits, self.max_model_len, self.vocab_size)
+        check_limits(req, self.limits)
         tools = plan_tools(req, self.tool_parser) if isinstance(req, ChatCompletionRequest) else NO_TOOLS
         constraint, field = request_constraint(req)
         if tools.constraint is not None:
@@ -71,6 +77,8 @@ class Preparer:
                                     f"cannot be combined with {field}", param="tool_choice")
             constraint, field = tools.constraint, "tool_choice"
         params = req.to_sampling_params(constraint)
+        if params.max_tokens is None and self.limits.max_tokens:  # "up to the context" within the limit too
+            params.max_tokens = self.limits.max_tokens
         if constraint is not None:
             try:
                 self.compile_grammar(constraint)
@@ -95,7 +103,7 @@ class Preparer:
             raise APIError(400, str(e), param=param) from None
 
     def completion(self, tokenizer, body: bytes) -> Prepared:
-        req = parse_request(CompletionRequest, body)
+        req = parse_request(self.models.completion, body)
         prompts = req.prompts()
         model, params, field, _ = self._common(req, len(prompts))
         texts, ids = [], []
@@ -111,7 +119,7 @@ class Preparer:
         return Prepared(req, model, params, ids, texts, field)
 
     def chat(self, tokenizer, body: bytes) -> Prepared:
-        req = parse_request(ChatCompletionRequest, body)
+        req = parse_request(self.models.chat, body)
         model, params, field, tools = self._common(req, 1)
         messages = req.template_messages()
         num_chars = sum(len(m.get("content") or "") for m in messages)

@@ -13,12 +13,21 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.sampling_params import SamplingParams
+from specdec.sampling_params import (
+    MAX_INT32,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
 from specdec.structured_output import StructuredOutputsParams
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                408: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-                503: "service_unavailable_error", 500: "internal_server_error"}
+                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                499: "invalid_request_error", 503: "service_unavailable_error", 500: "internal_server_error"}
+# pydantic error types that mean "over a bound": with the bound's flag they are a limit_exceeded
+_BOUND_ERRORS = ("less_than", "less_than_equal", "greater_than", "greater_than_equal", "too_long", "too_short",
+                 "string_too_long", "string_too_short")
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # what chat templates render; others can forge turns
 
 
@@ -35,12 +44,26 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
-def validation_error(e: ValidationError) -> APIError:
-    """The first pydantic error, as a 400 naming the field path (``messages.0.content``)."""
-    err = e.errors(include_url=False)[0]
+def validation_error(e: ValidationError, limit_flags: dict[str, dict[str, str]] | None = None) -> APIError:
+    """The first pydantic error, as a 400 naming the field path (``messages.0.content``).
+    ``limit_flags[field][error type]`` names the server flag (or fact) behind a bound, so a
+    breach says which flag to change (``code: limit_exceeded`` when it is a flag)."""
+    errors = e.errors(include_url=False)
+    # a union reports every member's error: the one over a bound is the member the value was meant for
+    err = next((x for x in errors if x["type"] in _BOUND_ERRORS), errors[0])
     loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
     received = f" (got {_short(err['input'])})" if "input" in err and not isinstance(err["input"], (dict, list)) else ""
-    return APIError(400, f"invalid value for '{loc}': {err['msg']}{received}", param=loc or None)
+    if isinstance(err.get("input"), list) and err["type"] in ("too_long", "too_short"):
+        received = f" (got {len(err['input'])} items)"
+    hint = None
+    if err["type"] in _BOUND_ERRORS and err["loc"]:
+        hint = (limit_flags or {}).get(str(err["loc"][0]), {}).get(err["type"])
+    if hint is None:
+        return APIError(400, f"invalid value for '{loc}': {err['msg']}{received}", param=loc or None)
+    is_flag = hint.startswith("--")
+    reason = f"over this server's limit ({hint})" if is_flag else hint
+    return APIError(400, f"invalid value for '{loc}': {err['msg']}{received}: {reason}", param=str(err["loc"][0]),
+                    code="limit_exceeded" if is_flag else None)
 
 
 def _short(value, limit: int = 80) -> str:
@@ -49,7 +72,8 @@ def _short(value, limit: int = 80) -> str:
 
 
 def _is_union_tag(part) -> bool:  # pydantic names union members in loc: "list[int]", "function-after[...]"
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool")
+                                      or part.startswith("constrained-"))
 
 
 class _Strict(BaseModel):
@@ -78,21 +102,22 @@ class _SamplingFields(_Strict):
     """Fields shared by both endpoints; None means "the default"."""
     model: str | None = None
     n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    # value ranges are SamplingParams' (sampling_params.py), stated here so the schema shows them
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM-compatible extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)  # -1 or 0: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True

@@ -13,15 +13,19 @@ import json
 import math
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from specdec.server.protocol import APIError, validation_error
 
 MAX_JSON_DEPTH = 32  # OpenAI bodies nest 5 deep (messages.0.content.0.text); tool schemas a little more
 
 
+CLIENT_CLOSED = 499  # nginx's "client closed request": counted, never sent (nobody is there to read it)
+
+
 async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
-    """The body, or a 415 (not JSON), 413 (over ``max_bytes``) or 408 (not complete within ``timeout`` s)."""
+    """The body, or a 415 (not JSON), 413 (over ``max_bytes``) or 408 (not complete within ``timeout`` s);
+    a client that closes its connection before the body is complete is a quiet ``CLIENT_CLOSED``."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type != "application/json":
         raise APIError(415, f"Content-Type must be application/json, got {content_type or 'none'!r}",
@@ -42,6 +46,9 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
 
     try:
         await asyncio.wait_for(read(), timeout)
+    except ClientDisconnect:
+        raise APIError(CLIENT_CLOSED, f"the client closed the connection after {size} bytes of its body",
+                       code="client_closed") from None
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s (--body-timeout)",
                        code="body_timeout") from None
@@ -120,4 +127,4 @@ def parse_request(model: type[BaseModel], body: bytes):
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise validation_error(e) from None
+        raise validation_error(e, getattr(model, "limit_flags", None)) from None

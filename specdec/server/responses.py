@@ -6,12 +6,26 @@ change: a trailing U+FFFD (an incomplete UTF-8 sequence the next token may compl
 when stop strings are set, the last ``max(len(stop)) - 1`` characters (the start of a
 stop string that the engine will cut). So the streamed deltas concatenate to exactly the
 final text that a non-streamed request returns.
+
+Logprobs are finite: a token a grammar masks (or any non-finite value) is reported as
+``LOGPROB_FLOOR``, OpenAI's value for "probability zero", since ``-Infinity`` is not JSON.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from specdec.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
+
+
+LOGPROB_FLOOR = -9999.0
+
+
+def finite_logprob(value: float | None) -> float | None:
+    """``value`` floored at ``LOGPROB_FLOOR``; NaN and -inf become the floor (None stays None)."""
+    if value is None:
+        return None
+    return value if math.isfinite(value) and value > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 @dataclass
@@ -77,7 +91,7 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], 
     for tid, lp in zip(token_ids, logprobs):
         s = token_text(tid)
         tokens.append(s)
-        token_logprobs.append(lp.get(tid))
+        token_logprobs.append(finite_logprob(lp.get(tid)))
         if top:  # distinct ids may share a text (e.g. partial UTF-8 -> U+FFFD): keep the likelier
             entries: dict[str, float] = {}
             for t, v in _top(lp, top):
@@ -92,7 +106,7 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], top: int, token_text: TokenText) -> dict:
     def entry(tid: int, value: float) -> dict:
         s = token_text(tid)
-        return {"token": s, "logprob": value, "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": finite_logprob(value), "bytes": list(s.encode("utf-8"))}
 
     content = []
     for tid, lp in zip(token_ids, logprobs):
@@ -103,7 +117,8 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], top: i
 
 
 def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
-    return sorted(lp.items(), key=lambda kv: kv[1], reverse=True)[:k]
+    """The ``k`` likeliest, floored (NaN sorts as the floor, never first)."""
+    return sorted(((t, finite_logprob(v)) for t, v in lp.items()), key=lambda kv: kv[1], reverse=True)[:k]
 
 
 def usage(outputs: list[RequestOutput | None], num_prompt_tokens: int) -> dict:

@@ -10,17 +10,17 @@ is a stream whose client stops reading for ``write_timeout`` seconds.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from specdec.server.admission import Admission
 from specdec.server.async_engine import AsyncEngine
 from specdec.server.generation import Generation
+from specdec.server.json_response import StrictJSONResponse, dumps_strict
 from specdec.server.prepare import Prepared, Preparer
 from specdec.server.protocol import APIError
 from specdec.server.responses import (
@@ -230,7 +230,7 @@ async def _until_done_or_disconnected(raw: Request, gen: Generation, body) -> Re
         gone.cancel()
     if not work.done() or work.cancelled():
         return Response(status_code=499)  # nobody reads this: the client is gone
-    return JSONResponse(work.result())  # re-raises the work's APIError, if any
+    return StrictJSONResponse(work.result())  # re-raises the work's APIError, if any
 
 
 async def _unless_disconnected(raw: Request, work) -> bool:
@@ -258,9 +258,9 @@ async def _sse(gen: Generation, chunks):
     try:
         await gen.start()
         async for chunk in chunks(gen):
-            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            yield f"data: {dumps_strict(chunk)}\n\n"
     except APIError as e:  # the status line is already sent: report in-band, as OpenAI does
-        yield f"data: {json.dumps(e.body())}\n\n"
+        yield f"data: {dumps_strict(e.body())}\n\n"
     yield "data: [DONE]\n\n"
 
 

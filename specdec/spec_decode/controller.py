@@ -44,7 +44,6 @@ class SpecController:
         self.explore_min_trials = 16
         self.explore_max_steps = 4
         self._num_explored = 0
-        self._fixed_k: int | None = None  # fix_k: a benchmark's fixed K on an "auto" engine
         self._new_k: int | None = None  # "auto": K of a new request's first drafts (``_new_request_k``)
         self._new_k_age = 0
         self.replan_new_every = 16
@@ -58,10 +57,19 @@ class SpecController:
             self.guard = ThroughputGuard()
 
     @classmethod
-    def build(cls, spec, has_draft_model: bool, max_model_len: int | None = None) -> SpecController:
+    def build(cls, spec, max_model_len: int | None = None) -> SpecController:
+        """The policy ``spec`` asks for; its method's entry says whether drafting costs a model forward."""
+        from specdec.spec_decode.methods import get_method
+
         adaptive_tree = spec.is_tree and spec.is_adaptive
-        return cls(spec.max_k if adaptive_tree else spec.num_spec_slots, spec.is_adaptive, has_draft_model,
-                   max_model_len, tree_slots=spec.num_spec_slots if adaptive_tree else 0)
+        return cls(spec.max_k if adaptive_tree else spec.num_spec_slots, spec.is_adaptive,
+                   get_method(spec.method).has_draft_model, max_model_len,
+                   tree_slots=spec.num_spec_slots if adaptive_tree else 0)
+
+    @classmethod
+    def fixed(cls, k: int) -> SpecController:
+        """A policy that plans ``k`` drafts for every decoding request and learns nothing."""
+        return cls(k, adaptive=False, draft_is_model=False)
 
     def calibrate(self, time_forward) -> None:
         """Time a few forwards at several token counts so the first steps already have a cost
@@ -70,28 +78,15 @@ class SpecController:
             self.cost.set("target", n, time_forward("target", n))
             self.cost.set("draft", n, time_forward("draft", n))
 
-    def fix_k(self, k: int | None) -> None:
-        """For benchmarks on an "auto" engine: plan ``k`` drafts for every decoding request, as a
-        fixed-K engine would, and learn nothing from those steps, until ``fix_k(None)`` returns to
-        "auto". One engine then compares "auto" with fixed K on the same machine state
-        (``specdec bench autok``); separate processes differ by more than the K choice does."""
-        if k is not None:
-            if not self.adaptive or self.tree_slots:
-                raise ValueError("fix_k needs an adaptive chain engine (num_speculative_tokens 'auto', no tree)")
-            if not isinstance(k, int) or not 0 <= k <= self.max_k:
-                raise ValueError(f"k must be an int in [0, {self.max_k}] (max_num_speculative_tokens), got {k!r}")
-        self._fixed_k = k
-
     def plan(self, running: list[Request], closed_batch: bool = False) -> SpeculationPlan:
         """The drafts each running request may verify this step (0: decode normally; prefill
         chunks and requests that opted out always get 0), in one pass over the batch.
         ``closed_batch``: nothing will join the running requests (an offline ``generate`` whose
         queue is empty), so the plan values the batch's completion."""
-        if not self.adaptive or self._fixed_k is not None:
-            k = self.max_k if self._fixed_k is None else self._fixed_k
-            return SpeculationPlan({r.request_id: k for r in running
+        if not self.adaptive:
+            return SpeculationPlan({r.request_id: self.max_k for r in running
                                     if r.sampling_params.use_speculation and r.is_decoding},
-                                   new_request_spec_tokens=k)
+                                   new_request_spec_tokens=self.max_k)
         plan = self._replan(running, closed_batch)
         new_k = self._new_request_k(len(running))
         if not self.tree_slots:
@@ -190,7 +185,7 @@ class SpecController:
 
     def observe(self, record: StepRecord) -> None:
         """Learn from a finished step: acceptance per request, step costs, realised throughput."""
-        if self.acceptance is None or self._fixed_k is not None:
+        if self.acceptance is None:
             return
         for rid, _, num_positions, num_accepted in record.drafts():
             self.acceptance.update(rid, num_positions, num_accepted)

@@ -3,7 +3,19 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from specdec.worker.device import synchronize
+
+
+def probe_tokens(runner, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Token ids for timed rows: pseudo-random over the model's vocabulary (fixed seed). One token
+    repeated would send every row of a mixture-of-experts target to the same experts, timing a
+    K+1-row verification at one row's experts; distinct tokens route as real rows do, so the
+    measurement reads the union of the experts they choose (dense models: the same cost either way)."""
+    vocab = getattr(getattr(runner.model, "config", None), "vocab_size", None) or 2
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 def time_forward(runner, num_tokens: int, repeats: int = 2) -> float:
@@ -16,7 +28,7 @@ def time_forward(runner, num_tokens: int, repeats: int = 2) -> float:
     num_reqs = max(1, min(num_tokens, runner.num_blocks // blocks_per_req))
     per_req = [num_tokens // num_reqs + (1 if i < num_tokens % num_reqs else 0) for i in range(num_reqs)]
     tables = [[(i * blocks_per_req + j) % runner.num_blocks for j in range(blocks_per_req + 1)] for i in range(num_reqs)]
-    batch = runner.prepare([[1] * n for n in per_req], [ctx] * num_reqs, tables,
+    batch = runner.prepare(probe_tokens(runner, per_req), [ctx] * num_reqs, tables,
                            [list(range(n)) for n in per_req])
     return _best_time(runner, batch, repeats)
 
@@ -31,7 +43,7 @@ def time_verify_forward(runner, num_reqs: int, query_len: int, context: int, rep
         raise ValueError(f"{num_reqs} requests of {context + query_len} tokens need {num_reqs * per_req} KV blocks; "
                          f"the cache has {runner.num_blocks}")
     tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(num_reqs)]
-    batch = runner.prepare([[1] * query_len] * num_reqs, [context] * num_reqs, tables,
+    batch = runner.prepare(probe_tokens(runner, [query_len] * num_reqs), [context] * num_reqs, tables,
                            [list(range(query_len))] * num_reqs)
     return _best_time(runner, batch, repeats)
 

@@ -34,9 +34,11 @@ from specdec.worker.target_inputs import TargetInputs, prepare_target
 
 class Worker:
     def __init__(self, cfg: EngineConfig, model_path: str, model_config, vocab_size: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...], shared_model=None, tp=None):
-        parts = build_worker_parts(cfg, model_path, model_config, vocab_size, max_model_len, shared_model, tp)
+                 eos_token_ids: tuple[int, ...], target_weights=None, tp=None):
+        parts = build_worker_parts(cfg, model_path, model_config, vocab_size, max_model_len, target_weights, tp)
         self.tp = tp  # TensorParallelGroup, or None on one device
+        self.plan = parts.plan
+        self.method = parts.method  # the speculative method's registry entry (None: no speculation)
         self.device = parts.device
         self.dtype = parts.dtype
         self.runner = parts.runner
@@ -262,20 +264,15 @@ class Worker:
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    def reset_proposer_history(self) -> None:
-        if self.proposer is not None:
-            self.proposer.reset_history()
+    def control_proposer(self, name: str, payload=None):
+        """The speculative method's proposer control ``name`` (``SpecMethod.control``)."""
+        if self.method is None:
+            raise ValueError(f"proposer control {name!r}: this engine has no speculative_config")
+        return self.method.control(self.proposer, name, payload)
 
-    def set_replay_references(self, pairs: list[tuple[list[int], list[int]]]) -> bool:
-        """Give a replay proposer the target's own continuations; False for any other proposer."""
-        if self.proposer is None or not hasattr(self.proposer, "set_reference"):
-            return False
-        for prompt, continuation in pairs:
-            self.proposer.set_reference(prompt, continuation)
-        return True
-
-    def set_replay_acceptance(self, acceptance: float) -> None:
-        self.proposer.acceptance = acceptance
+    def apply_model(self, fn):
+        """``fn(target model)`` on this rank (inspection: weight bytes, parameters)."""
+        return fn(self.runner.model)
 
 
 def _token_logprobs(lp: torch.Tensor, token: int, top: int) -> dict[int, float]:

@@ -70,7 +70,7 @@ def test_a_kv_budget_that_holds_a_sequence_only_in_bf16_keeps_the_bf16_model(bf1
 
     from specdec.config import EngineConfig
     from specdec.worker.model_runner import ModelRunner
-    from specdec.worker.setup import blocks_per_sequence
+    from specdec.worker.plan import blocks_per_sequence
 
     cfg = EngineConfig(model=bf16_llama_path, max_model_len=ENGINE["max_model_len"])
     bf16_bytes = blocks_per_sequence(cfg, cfg.max_model_len, 0) * ModelRunner.kv_bytes_per_block(

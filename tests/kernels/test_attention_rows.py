@@ -74,16 +74,16 @@ def test_a_row_is_the_same_whatever_else_the_call_holds():
 
 def test_auto_picks_the_rows_backend_for_float32_on_cpu_and_torch_for_bf16():
     from specdec.config import EngineConfig
-    from specdec.worker.setup import _attention_backend
+    from specdec.worker.plan import Machine, attention_backend_name
 
     if attention_rows.extension() is None:
         pytest.skip("the rows kernel did not build here")
-    cpu = torch.device("cpu")
+    cpu = Machine(torch.device("cpu"))  # the rows kernel's availability probed here
     cfg = EngineConfig(model="unused")
-    assert _attention_backend(cfg, cpu, torch.float32).name == "rows"
-    assert _attention_backend(cfg, cpu, torch.bfloat16).name == "torch"
-    assert _attention_backend(EngineConfig(model="unused", quantization="w4a8"), cpu, torch.bfloat16).name == "rows"
-    assert _attention_backend(EngineConfig(model="unused", attention_backend="torch"), cpu, torch.float32).name == "torch"
+    assert attention_backend_name(cfg, cpu, torch.float32) == "rows"
+    assert attention_backend_name(cfg, cpu, torch.bfloat16) == "torch"
+    assert attention_backend_name(EngineConfig(model="unused", quantization="w4a8"), cpu, torch.bfloat16) == "rows"
+    assert attention_backend_name(EngineConfig(model="unused", attention_backend="torch"), cpu, torch.float32) == "torch"
 
 
 @needs_kernel

@@ -50,7 +50,7 @@ def fake_gpu(monkeypatch, free, reserved, allocated, total=80 * GIB):
 
 def test_engine_kv_blocks_on_a_gpu_follow_utilization_kv_cache_memory_and_the_cached_pool(monkeypatch):
     from specdec.config import EngineConfig
-    from specdec.worker.setup import num_kv_blocks
+    from specdec.worker.plan import num_kv_blocks
 
     cuda, block = torch.device("cuda", 0), 1 << 20
     # 16 GiB of weights allocated, 4 GiB more cached by the allocator for no tensor: that is free

@@ -166,3 +166,59 @@ def make_server(tiny_model, tmp_path):
     yield make
     for srv in started:
         srv.terminate()
+
+
+# the in-process app's limits: small, so schema-driven requests stay quick (the schema states them)
+INPROC_LIMITS = {"max_tokens": 4, "max_n": 2, "max_logprobs": 5, "max_stop": 4, "max_messages": 8,
+                 "max_stop_token_ids": 4, "max_body_bytes": 1 << 16}
+
+
+class SessionLifespan:
+    """The app, with its lifespan (engine thread, tokenizer pool) run once for the whole session:
+    schemathesis' pytest plugin ends ASGI lifespans after every test, and the app's cannot restart."""
+
+    def __init__(self, app):
+        self.app, self.state, self._context = app, app.state, None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+        await receive()  # lifespan.startup
+        if self._context is None:
+            self._context = self.app.router.lifespan_context(self.app)
+            await self._context.__aenter__()
+        await send({"type": "lifespan.startup.complete"})
+        await receive()  # lifespan.shutdown: the session's end does it (close)
+        await send({"type": "lifespan.shutdown.complete"})
+
+    def close(self) -> None:
+        import asyncio
+
+        if self._context is not None:  # its exit only joins threads: any event loop will do
+            asyncio.run(self._context.__aexit__(None, None, None))
+
+
+@pytest.fixture(scope="session")
+def asgi_app(tiny_model, hermes_template):
+    """The app in this process (no uvicorn, no sockets), on the tiny model with a tool-call chat
+    template and ``--enable-docs``; requests go through schemathesis' ASGI client, whose event
+    loop (one per process) runs the app's lifespan once for the session."""
+    from specdec import LLM
+    from specdec.server.app import ServerSettings, build_app
+    from specdec.server.limits import RequestLimits
+
+    llm = LLM(model=str(tiny_model), dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory=8_000_000,
+              max_num_seqs=16, num_threads=1)
+    llm.engine.tokenizer.chat_template = hermes_template
+    app = SessionLifespan(build_app(llm.engine, ServerSettings("tiny", enable_docs=True,
+                                                               limits=RequestLimits(**INPROC_LIMITS))))
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def asgi_client(asgi_app):
+    from schemathesis.python import asgi
+
+    with asgi.get_client(asgi_app) as client:
+        yield client

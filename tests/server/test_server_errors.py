@@ -117,3 +117,41 @@ def test_bad_requests_do_not_disturb_a_running_stream(server):
     assert events[-1] == "data: [DONE]"
     text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
     assert text == expected
+
+
+def _run_asgi(app) -> list[dict]:
+    import asyncio
+
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app({"type": "http", "path": "/x", "method": "GET", "headers": []}, receive, send))
+    return sent
+
+
+def test_an_unexpected_error_is_one_500_and_the_connection_is_kept():
+    """InternalErrors answers and returns normally (a re-raise would make uvicorn drop the
+    connection without Connection: close); once a response started it must re-raise."""
+    from specdec.server.error_middleware import InternalErrors
+
+    async def broken(scope, receive, send):
+        raise RuntimeError("boom")
+
+    counted: list[int] = []
+    sent = _run_asgi(InternalErrors(broken, on_error=counted.append))  # no exception escapes
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 500
+    assert json.loads(sent[1]["body"]) == {"error": {"message": "internal server error: RuntimeError",
+                                                     "type": "internal_server_error", "param": None, "code": None}}
+    assert counted == [500]
+
+    async def half_sent(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        _run_asgi(InternalErrors(half_sent))

@@ -12,55 +12,9 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specdec.server.fuzz_corpus import CORPUS, CORPUS_OK
+
 NUM_EXAMPLES = 250
-
-CORPUS: list[tuple[str, bytes]] = [
-    ("/v1/completions", b""), ("/v1/completions", b"null"), ("/v1/completions", b"[]"), ("/v1/completions", b"1"),
-    ("/v1/completions", b'"x"'), ("/v1/completions", b"{"), ("/v1/completions", b"\xff\xfe"),
-    ("/v1/completions", b'{"prompt": "x", "max_tokens": NaN}'),
-    ("/v1/completions", b'{"prompt": "x", "top_p": -Infinity}'),
-    ("/v1/completions", b'{"prompt": "x", "n": 1e999}'),
-    ("/v1/completions", b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}"),
-    ("/v1/completions", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
-    ("/v1/completions", b'{"prompt": "\\udc00"}'), ("/v1/completions", b'{"model": "\\ud800", "prompt": "x"}'),
-    ("/v1/completions", b'{"prompt": [[]]}'), ("/v1/completions", b'{"prompt": []}'),
-    ("/v1/completions", b'{"prompt": [-1]}'), ("/v1/completions", b'{"prompt": [' + b"1," * 300 + b"1]}"),
-    ("/v1/completions", b'{"prompt": "x", "top_k": 9223372036854775808}'),
-    ("/v1/completions", b'{"prompt": "x", "top_k": -9223372036854775809}'),
-    ("/v1/completions", b'{"prompt": "x", "stop": [""]}'), ("/v1/completions", b'{"prompt": "x", "stop": []}'),
-    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"1": 5}}'),
-    ("/v1/completions", b'{"prompt": "x", "echo": true, "logprobs": 2}'),
-    ("/v1/completions", b'{"prompt": "x", "stream_options": {"include_usage": "yes"}}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "assistant", "content": null}]}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x", "name": {"a": [1]}}]}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{}]}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": 1}}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": -1}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "tool", "content": "x"}], "max_tokens": 2}'),
-    ("/v1/chat/completions", b'{"messages": {"role": "user"}}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": '
-                             b'{"name": "f", "arguments": "{"}}]}]}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
-                             b'"function": {"name": "f", "parameters": {"$ref": "#"}}}], "tool_choice": "required"}'),
-    ("/v1/completions", b'{"prompt": "x", "guided_json": {"$ref": "#"}}'),
-    ("/v1/completions", b'{"prompt": "x", "guided_grammar": "root ::= root"}'),  # a grammar no token can start
-]
-
-# values at the edges of what validation accepts: each must be served (a 200), not crash a step
-_EDGE = {"prompt": "def f(x):", "max_tokens": 3}
-CORPUS_OK: list[tuple[str, dict]] = [("/v1/completions", {**_EDGE, **kw}) for kw in [
-    {"top_k": 2**31 - 1}, {"seed": -(2**63)}, {"seed": 2**63 - 1, "n": 4}, {"repetition_penalty": 0.1},
-    {"repetition_penalty": 10}, {"temperature": 2.0, "top_p": 1e-9}, {"min_p": 1.0}, {"temperature": 0},
-    {"presence_penalty": -2, "frequency_penalty": 2}, {"stop_token_ids": list(range(64))},
-    {"stop": ["\u00e9" * 256] * 16}, {"logprobs": 20}, {"n": 16, "max_tokens": 2}, {"min_tokens": 3},
-    {"prompt": [0], "max_tokens": 1}, {"prompt": "\ud83d\ude00 \u0000"}, {"max_tokens": None, "stream": True},
-]] + [("/v1/chat/completions", {"messages": [{"role": r, "content": "x"} for r in ("system", "user")],
-                                "max_tokens": 3, **kw})
-      for kw in [{"logprobs": True, "top_logprobs": 20}, {"stream": True, "n": 3}, {"max_completion_tokens": 1},
-                 {"response_format": {"type": "json_object"}, "stream": True},
-                 {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}]]
 
 _junk = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
                   st.text(max_size=20), st.just("\ud800"), st.lists(st.integers(-3, 300), max_size=4),

@@ -38,9 +38,9 @@ def test_escaped_surrogate_pairs_are_text(server):
 
 
 @pytest.mark.parametrize("body, param, fragment", [
-    ({"prompt": "x", "temperature": 50}, "temperature", "[0, 2]"),
-    ({"prompt": "x", "temperature": 1e308}, "temperature", "[0, 2]"),
-    ({"prompt": "x", "repetition_penalty": 1e-300}, "repetition_penalty", "[0.1, 10]"),
+    ({"prompt": "x", "temperature": 50}, "temperature", "less than or equal to 2"),
+    ({"prompt": "x", "temperature": 1e308}, "temperature", "less than or equal to 2"),
+    ({"prompt": "x", "repetition_penalty": 1e-300}, "repetition_penalty", "greater than or equal to 0.1"),
     ({"prompt": "x", "top_k": 2**63}, "top_k", "2147483647"),
     ({"prompt": "x", "seed": 2**63}, "seed", None),
     ({"prompt": "x", "n": 17}, "n", "--max-n"),

@@ -143,22 +143,13 @@ def test_a_request_that_stopped_drafting_drafts_again_as_its_evidence_ages():
     assert ks(ctl, [decoding("new", 4096, 10)])[0] > 0  # the pool still says drafting pays
 
 
-def test_fix_k_plans_a_fixed_k_and_learns_nothing_until_released():
-    ctl = controller()
+def test_a_fixed_policy_plans_k_for_every_decoding_request_and_learns_nothing():
+    fixed = SpecController.fixed(3)
     a, b = decoding("lead", 256, 40), decoding("lag", 256, 40)
-    before = ctl.acceptance.acceptance("lead")
-    ctl.fix_k(3)
-    assert ks(ctl, [a, b]) == [3, 3]
-    ctl.observe(record(["lead"], [3], [0]))
-    assert ctl.acceptance.acceptance("lead") == before  # a fixed K's steps teach "auto" nothing
-    ctl.fix_k(None)
-    ctl.observe(record(["lead"], [3], [0]))
-    assert ctl.acceptance.acceptance("lead") < before
-    for bad in (5, -1, 2.0):
-        with pytest.raises(ValueError, match="k must be an int"):
-            ctl.fix_k(bad)
-    with pytest.raises(ValueError, match="adaptive chain"):
-        SpecController(max_k=4, adaptive=False, draft_is_model=True).fix_k(2)
+    assert ks(fixed, [a, b]) == [3, 3]
+    fixed.observe(record(["lead"], [3], [0]))  # nothing to learn into
+    assert fixed.acceptance is None and ks(fixed, [a, b]) == [3, 3]
+    assert ks(SpecController.fixed(0), [a]) == [0]
 
 
 def test_auto_explores_a_few_steps_when_the_prior_alone_says_no():

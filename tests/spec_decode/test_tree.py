@@ -51,7 +51,7 @@ def test_config_validates_tree_fields():
         SpeculativeConfig(method="eagle", model="x", tree_topk=0)
     with pytest.raises(ValueError, match="tree_nodes must be in 1..64"):
         SpeculativeConfig(method="eagle", model="x", tree_topk=2, tree_nodes=100)
-    with pytest.raises(ValueError, match="needs method 'eagle', 'eagle3' or 'draft_model'"):
+    with pytest.raises(ValueError, match="needs method 'draft_model', 'eagle' or 'eagle3'"):
         SpeculativeConfig(method="ngram", tree_topk=2)
     auto = SpeculativeConfig(method="eagle", model="x", tree_topk=2, num_speculative_tokens="auto",
                              max_num_speculative_tokens=6)

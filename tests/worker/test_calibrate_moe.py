@@ -1,0 +1,26 @@
+"""The cost model's timed forwards route like real rows on a mixture-of-experts target: a probe of
+K+1 rows reads the union of the experts its distinct tokens choose, not one row's top-k."""
+from __future__ import annotations
+
+from specdec import LLM
+from specdec.layers.moe import moe_layers
+from specdec.worker.calibrate import probe_tokens, time_forward, time_verify_forward
+
+
+def test_verification_probe_reads_the_union_of_the_rows_experts(make_model):
+    path = make_model("qwen3_moe_calibrate", arch="qwen3_moe", num_layers=1, num_experts=16, num_experts_per_tok=2,
+                      moe_intermediate_size=32, initializer_range=0.05, router_scale=20.0)
+    llm = LLM(model=path, dtype="float32", device="cpu", max_model_len=128)
+    runner = llm.engine.executor.driver_worker.runner
+    (moe,) = moe_layers(runner.model)
+    moe.stats.recording = True
+    time_verify_forward(runner, num_reqs=1, query_len=1, context=16, repeats=1)
+    one_row = max(moe.stats.history)
+    moe.stats.reset()
+    time_verify_forward(runner, num_reqs=1, query_len=8, context=16, repeats=1)
+    assert one_row == 2 and min(moe.stats.history) >= 6  # 8 rows x top-2 of 16: most of the union
+    moe.stats.reset()
+    time_forward(runner, 8, repeats=1)
+    assert min(moe.stats.history) >= 6
+    tokens = probe_tokens(runner, [8, 8])
+    assert len(set(tokens[0])) >= 6 and tokens == probe_tokens(runner, [8, 8])  # varied, and the same on every rank
