@@ -32,6 +32,7 @@ TITLES = {
     "structured": "Structured output: speculation with and without a grammar (JSON extraction, tool calls)",
     "quant_kernels": "int8 / int4 weight-only matmul kernels against the copy bandwidth",
     "quant_e2e": "float32 vs int8 vs int4 weights end to end (single thread)",
+    "cpu_verify_rows": "Verification rows on the CPU: t(M)/t(1) of a layer's linears per weight format and kernel",
     "gpu_check": "GPU check (scripts/gpu_check.sh, random-weight Llama-3-8B shape, bf16)",
     "other": "Other recorded results",
 }
@@ -304,6 +305,10 @@ def headline(data: dict) -> str:
         if kind == "gpu_check":
             return (f"{data.get('gpu')}: roofline {_f(data.get('roofline_decode_tok_s'), '.0f')} tok/s; "
                     f"see the GPU table below")
+        if kind == "cpu_verify_rows":
+            return "t(7)/t(1) of the kernel the engine runs: " + ", ".join(
+                f"{fmt} {_f(kernels['engine choice']['t_over_t1'].get('7'))}"
+                for fmt, kernels in data["results"].items() if "engine choice" in kernels)
         if kind == "serve":
             return "; ".join(f"{r['server']} at concurrency {r['concurrency']}: {_f(r['output_throughput'])} output "
                              f"tok/s, acceptance {_f(r.get('acceptance_rate'))}" for r in data["runs"])
@@ -364,6 +369,8 @@ def build(folder: Path) -> str:
             parts.append("Peers (decode tokens/s, median over rounds):\n\n" + format_table(
                 ["result", "batch", "configuration", "tok/s", "x ref", "x vLLM same", "mean acc. len"], peers) + "\n")
         for p, d in items:
+            if d.get("table_md"):  # a result that carries its own headline table
+                parts.append(f"`{p.name}`:\n\n" + d["table_md"].strip() + "\n")
             if d["kind"] == "gpu_check":
                 parts.append(f"GPU check `{p.name}`: " + render_gpu_check(d) + "\n")
     return "\n".join(parts)

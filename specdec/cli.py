@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     g.add_argument("--enforce-eager", action="store_true", help="GPUs: no CUDA/HIP graphs")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the target over N ranks (one process each; torchrun-started ranks too)")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) of the model")
+    g.add_argument("--max-loras", type=int, default=1, help="distinct adapters one step may run (slots)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted")
 
 
 def engine_kwargs(args) -> dict:
@@ -50,6 +53,8 @@ def engine_kwargs(args) -> dict:
         quantization=args.quantization, num_threads=args.num_threads,
         enforce_eager=getattr(args, "enforce_eager", False),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        enable_lora=getattr(args, "enable_lora", False), max_loras=getattr(args, "max_loras", 1),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
     )
     k = args.num_speculative_tokens
     if k is not None and k != "auto":

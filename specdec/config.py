@@ -166,9 +166,15 @@ class EngineConfig:
     # structured output: append the tokens a grammar forces (the only one it allows) without a
     # target decision; lossless, since the constrained target gives them probability 1
     structured_outputs_forced_tokens: bool = True
+    # LoRA adapters (vLLM's names): requests may name an adapter (``LoRARequest``); at most
+    # ``max_loras`` distinct adapters run in one step, each of rank <= ``max_lora_rank``
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size", "max_loras",
+                     "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from specdec.config import EngineConfig
 from specdec.engine.engine_core import EngineCore
+from specdec.lora.request import LoRARequest
 from specdec.outputs import RequestOutput
 from specdec.sampling_params import SamplingParams
 from specdec.worker.shared_weights import SharedWeights
@@ -58,7 +59,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """``lora_request``: the adapter every prompt runs with, or one per prompt (None: the base
+        model); needs ``enable_lora=True``."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -67,15 +71,18 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        loras = _per_prompt_lora(lora_request, len(prompts))
         encoded = [self._encode(p) for p in prompts]
+        for lora in loras:
+            self.engine.validate_lora(lora)
         for (_, ids), sp in zip(encoded, params):  # validate everything before anything is queued
             self.engine.validate_prompt(ids)
             if sp.structured_outputs is not None:  # compiled once: add_request finds it in the cache
                 self.engine.compile_grammar(sp.structured_outputs)
         ids = []
-        for (text, token_ids), sp in zip(encoded, params):
+        for (text, token_ids), sp, lora in zip(encoded, params, loras):
             rid = str(next(self._counter))
-            self.engine.add_request(rid, token_ids, sp, prompt=text)
+            self.engine.add_request(rid, token_ids, sp, prompt=text, lora_request=lora)
             ids.append(rid)
         return self._run(ids, use_tqdm)
 
@@ -111,12 +118,14 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """``tools``: OpenAI tool definitions (``{"type": "function", "function": {...}}``), given to
-        the chat template; read calls from the output with ``specdec.tool_parsers``."""
+        the chat template; read calls from the output with ``specdec.tool_parsers``. ``lora_request``:
+        as in ``generate``, one per conversation."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template, tools) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
@@ -136,3 +145,14 @@ class LLM:
         """``fn(target model)`` on every rank, in rank order (vLLM's name): inspect the model as
         loaded (packed, quantized) without reaching into the engine."""
         return self.engine.executor.apply_model(fn)
+
+def _per_prompt_lora(lora_request, num_prompts: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if not isinstance(lora_request, Sequence) or isinstance(lora_request, str):
+        raise ValueError(f"lora_request must be a LoRARequest, a list of them (one per prompt) or None, "
+                         f"got {type(lora_request).__name__}")
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"got {len(loras)} lora_request entries for {num_prompts} prompts")
+    return loras

@@ -49,13 +49,13 @@ def has_speculation(args) -> bool:
 
 
 def register_cli(subparsers) -> None:
-    from specdec.bench import autok, compare, latency, profile, quant_kernels, sweep, throughput
+    from specdec.bench import autok, compare, latency, profile, quant_kernels, roofline_dtypes, sweep, throughput
 
     bench = subparsers.add_parser(
-        "bench", help="benchmarks: latency, throughput, sweep, autok, compare, profile, quant-kernels, workloads, "
-                      "structured, peers, serve")
+        "bench", help="benchmarks: latency, throughput, sweep, autok, compare, profile, quant-kernels, roofline, "
+                      "workloads, structured, peers, serve")
     sub = bench.add_subparsers(dest="bench_command", required=True)
-    for module in (latency, throughput, sweep, autok, compare, profile, quant_kernels):
+    for module in (latency, throughput, sweep, autok, compare, profile, quant_kernels, roofline_dtypes):
         p = module.add_parser(sub)
         p.set_defaults(bench_parser=p)
     _register_serve(sub)

@@ -89,9 +89,37 @@ def machine_info(bandwidth_bytes_per_s: float | None, device: torch.device | Non
         "env": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")
                 if k in os.environ},
     }
+    info["cpu_info"] = cpu_info()
+    if device is None or device.type == "cpu":
+        info["cpu_kernels"] = cpu_kernels()
     if device is not None and device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+def cpu_info() -> dict:
+    from specdec.worker.device import cpu_info as read_cpu_info
+
+    return read_cpu_info()
+
+
+def cpu_kernels() -> dict[str, str]:
+    """The CPU kernel choices the engine makes here (``layers.cpu_kernel_choice.cpu_kernel_choices``)."""
+    from specdec.layers.cpu_kernel_choice import cpu_kernel_choices
+
+    return cpu_kernel_choices()
+
+
+def cpu_header(args) -> str:
+    """What a run prints first: the CPU (vendor, family / model, name, the ISA features the kernels use)
+    and, for a CPU run, the kernel each linear format, dtype and the attention take here."""
+    from specdec.worker.device import describe_cpu
+
+    lines = [f"CPU: {describe_cpu(cpu_info())}"]
+    device = str(getattr(args, "device", None) or "auto")
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        lines += [f"  {name}: {kernel}" for name, kernel in cpu_kernels().items()]
+    return "\n".join(lines)
 
 
 def _git_revision() -> str | None:
@@ -135,6 +163,7 @@ def result_header(args, kind: str, bandwidth: float | None, device=None) -> dict
 def run_benchmark(args, measure, render, plot_name: str | None = None) -> int:
     """What every ``specdec bench`` command does: measure, print the table, write --output-json,
     draw --plot with ``specdec.bench.plots.<plot_name>`` (commands without a plot pass None)."""
+    print(cpu_header(args), flush=True)
     result = measure(args)
     print(render(result))
     write_json(result, args.output_json)

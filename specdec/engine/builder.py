@@ -7,7 +7,7 @@ from typing import Any
 
 from specdec.config import EngineConfig
 from specdec.models.loader import load_config, resolve_model_path
-from specdec.spec_decode.methods import method_of
+from specdec.spec_decode.methods import SpecMethod, method_of
 
 MAX_DEFAULT_MODEL_LEN = 8192
 
@@ -88,13 +88,12 @@ def all_layers_window(config) -> int | None:
     return None if not windows or None in windows else max(windows)
 
 
-def kv_sliding_window(config, draft_config, method) -> int | None:
-    """The window behind which a request's KV blocks can be freed. Proposers without a draft
-    model (n-gram, suffix, replay) read nothing behind the target's window; a standalone draft
-    model (``draft_config``) must be all-sliding too; heads that read the target's hidden states
-    attend to everything."""
+def kv_sliding_window(config, draft_config, method: SpecMethod | None) -> int | None:
+    """Proposers without a KV cache (n-gram, suffix, replay) read nothing behind the window; a draft
+    model (``draft_config``) must be all-sliding too; a head without a config of its own here
+    (EAGLE) attends to everything."""
     window = all_layers_window(config)
-    if window is None or method is None or not method.has_draft_model:
+    if window is None or method is None or not method.draft_kv_cache:
         return window
     draft_window = all_layers_window(draft_config) if draft_config is not None else None
     return None if draft_window is None else max(window, draft_window)
@@ -124,18 +123,16 @@ def resolve_model_info(cfg: EngineConfig) -> ModelInfo:
     tokenizer = load_tokenizer(tokenizer_path(cfg, path))
     max_model_len = _max_model_len(config, cfg.max_model_len)
     spec = cfg.speculative_config
-    method = method_of(spec) if spec is not None else None
+    method = method_of(spec)
     # the method's draft, checked against the target before any weights load; drafts stay below
     # max_model_len (the scheduler caps K)
-    draft_limit = method.check_draft(spec, tokenizer, config) if method is not None else None
+    draft_cfg = method.check_draft(spec, tokenizer, config) if method is not None else None
+    draft_limit = getattr(draft_cfg, "max_position_embeddings", None)
     if draft_limit is not None and draft_limit < max_model_len:
         if cfg.max_model_len is not None:
             raise ValueError(f"max_model_len {max_model_len} exceeds the draft model's limit of "
                              f"{draft_limit} positions")
         max_model_len = draft_limit
-    # a standalone draft model has layers of its own: its windows count too
-    standalone = method is not None and method.has_draft_model and not method.needs_target_hidden
-    draft_cfg = load_config(resolve_model_path(spec.model)) if standalone else None
     check_tree_depth(spec, (config, draft_cfg))
     return ModelInfo(path, config, tokenizer, max_model_len, config.vocab_size, eos_ids(path, tokenizer, config),
                      generation_defaults(path), kv_sliding_window(config, draft_cfg, method))

@@ -18,6 +18,8 @@ from specdec.engine.request_groups import RequestGroup, RequestGroups
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.step_record import StepRecord
 from specdec.executor.uniproc_executor import UniprocExecutor
+from specdec.lora.registry import LoRARegistry
+from specdec.lora.request import LoRARequest
 from specdec.outputs import RequestOutput
 from specdec.profiling import profile_range
 from specdec.sampling_params import SamplingParams
@@ -62,7 +64,9 @@ class EngineCore:
                                  info.kv_sliding_window)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   config.enable_chunked_prefill, stop_checker=self.output)
+                                   config.enable_chunked_prefill, stop_checker=self.output,
+                                   max_loras=config.max_loras if config.enable_lora else None)
+        self.lora_registry = LoRARegistry(self.model_config, config.max_lora_rank) if config.enable_lora else None
         spec = config.speculative_config
         self.spec_controller = SpecController.build(spec, self.max_model_len) if spec else None
         if self.spec_controller is not None and self.spec_controller.adaptive and config.spec_cost_calibration:
@@ -127,11 +131,27 @@ class EngineCore:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
 
+    def validate_lora(self, lora_request: LoRARequest | None) -> None:
+        """Read and check a request's adapter (once per adapter id): a ``ValueError`` naming the
+        problem. Thread-safe: a server may call it before queueing the request."""
+        if lora_request is None:
+            return
+        if self.lora_registry is None:
+            raise ValueError("lora_request needs an engine started with enable_lora=True")
+        self.lora_registry.validate(lora_request)
+
+    def remove_lora(self, adapter_id: int) -> None:
+        """Forget an adapter: its id must be validated again before a new request uses it (requests
+        already queued finish with it; the worker's slots are reused least recently used first)."""
+        if self.lora_registry is not None:
+            self.lora_registry.forget(adapter_id)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> None:
+                    prompt: str | None = None, lora_request: LoRARequest | None = None) -> None:
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
+        self.validate_lora(lora_request)
         if params.structured_outputs is not None:
             self.compile_grammar(params.structured_outputs)
         children = []
@@ -139,7 +159,7 @@ class EngineCore:
             children.append(Request(
                 request_id if params.n == 1 else f"{request_id}#{i}", list(prompt_token_ids), params,
                 self.eos_token_ids, seed=None if params.seed is None else params.seed + i,
-                output_logprobs=[] if params.logprobs is not None else None))
+                output_logprobs=[] if params.logprobs is not None else None, lora_request=lora_request))
         self.groups.add(RequestGroup(request_id, prompt, children))
         for child in children:
             self.scheduler.add_request(child)

@@ -21,6 +21,13 @@ from specdec.engine.request import Request
 NULL_BLOCK_ID = 0  # what the worker's table holds for a block freed behind the sliding window
 
 
+def _root_hash(request: Request) -> int | None:
+    """The chain's start: the base model's blocks and each adapter's never match each other (the
+    same tokens have other keys and values under another adapter)."""
+    lora = getattr(request, "lora_request", None)
+    return None if lora is None else hash(("lora", lora.lora_int_id))
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  sliding_window: int | None = None):
@@ -46,7 +53,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         bs = self.block_size
         max_blocks = (len(tokens) - 1) // bs  # the last token must be computed to get logits
-        blocks, parent = [], None
+        blocks, parent = [], _root_hash(request)
         self.pool.num_cache_queries += 1
         for i in range(max_blocks):
             h = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs])
@@ -111,7 +118,7 @@ class KVCacheManager:
             return
         tokens = request.all_token_ids
         bs = self.block_size
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else _root_hash(request)
         for i in range(len(hashes), num_full):
             parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs])
             hashes.append(parent)

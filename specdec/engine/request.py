@@ -2,7 +2,7 @@
 
 Ownership (who writes each field; everyone else only reads):
 - ``EngineCore.add_request``: ``request_id``, ``prompt_token_ids``, ``sampling_params``,
-  ``eos_token_ids``, ``seed``, ``arrival_time``.
+  ``eos_token_ids``, ``seed``, ``arrival_time``, ``lora_request``.
 - ``Scheduler`` (``schedule`` / ``update_from_output`` / ``finish``): ``status``,
   ``num_computed_tokens``, ``num_cached_prompt_tokens``, ``num_preemptions``, the output
   tokens and logprobs (appended by the commit), ``first_token_time`` / ``last_token_time``,
@@ -20,6 +20,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from specdec.lora.request import LoRARequest
 from specdec.sampling_params import SamplingParams
 
 
@@ -81,6 +82,7 @@ class Request(TokenSequence):
     eos_token_ids: tuple[int, ...] = ()
     seed: int | None = None  # the worker's generator for this request is seeded with it
     arrival_time: float = field(default_factory=time.monotonic)
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the target cache

@@ -31,7 +31,8 @@ NO_PLAN = SpeculationPlan()
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 enable_chunked_prefill: bool = True, stop_checker: OutputProcessor | None = None):
+                 enable_chunked_prefill: bool = True, stop_checker: OutputProcessor | None = None,
+                 max_loras: int | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         if not enable_chunked_prefill:  # unsplittable prompts: the budget must hold the longest one
@@ -39,6 +40,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        # LoRA: distinct adapters the running requests may use (every step's batch is a subset of them)
+        self.max_loras = max_loras
         self.stop_checker = stop_checker or OutputProcessor(None, max_model_len)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -117,11 +120,13 @@ class Scheduler:
         if req.request_id not in self._sent_to_worker:
             self._sent_to_worker.add(req.request_id)
             out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                                   req.seed))
+                                                   req.seed, req.lora_request))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, plan: SpeculationPlan) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if not self._adapter_fits(req):  # first come first served: it waits for an adapter to leave
+                break
             computed_blocks, num_hit = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
             if num_new > budget:
@@ -141,6 +146,13 @@ class Scheduler:
             self.running.append(req)
             self._add_to_batch(out, req, num_new, [], num_next, plan.tree_depths.get(req.request_id, 0))
             budget -= num_new
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Whether running ``req`` keeps the running requests within ``max_loras`` distinct adapters."""
+        if req.lora_request is None or self.max_loras is None:
+            return True
+        active = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return req.lora_request.lora_int_id in active or len(active) < self.max_loras
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdec.lora.request import LoRARequest
 from specdec.sampling_params import SamplingParams
 from specdec.spec_decode.plan import TreeBudget
 
@@ -17,6 +18,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     seed: int | None  # the request's own generator (None: the global one)
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
 
 @dataclass

@@ -3,6 +3,9 @@
 kernel (``csrc/woq_a8.cpp``, ``linear_a8``), each built on first use (``cpp_build``) for the best
 instruction set this CPU runs: AVX-512 (the int8-activation kernel: AVX-512 VNNI) or AVX2 + FMA.
 
+The AMX kernels (bf16 tiles on the pair layout, the int8-activation kernel's tile path) are in
+``amx_cpu``.
+
 Where none can run (no AVX2, no compiler, a failed build, ``SPECDEC_DISABLE_WOQ_KERNEL=1``)
 ``available()`` is False after one warning and ``linear`` runs ``woq_format.reference_linear``
 (dequantize, then ``F.linear``: slower).

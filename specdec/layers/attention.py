@@ -43,6 +43,8 @@ class AttentionMetadata:
     tree_masks: list | None = None
     # the same masks packed for kernels; set directly by a captured graph, else packed on first use
     tree_packed: PackedTreeMask | None = None
+    # LoRA: each row's adapter slot (``specdec.layers.lora.LoRAMapping``); None: the base model
+    lora_mapping: object | None = None
     # derived once per step from the host copies and shared by every layer
     query_lens: list[int] = field(init=False, repr=False, compare=False)  # [num_reqs]
     _groups: list | None = field(default=None, init=False, repr=False, compare=False)

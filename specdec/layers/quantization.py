@@ -9,7 +9,8 @@
   A bf16 model (or one widened to float32 around its linears) takes it instead of ``PackedLinear``
   where it streams a weight at one row about as fast or faster (``bf16_kernel_faster``: timed once
   per process on rotating copies of one weight); with avx512_bf16 it then runs bf16 dot products on
-  a weight kept in pair layout (``woq_cpu.bf16_pairs_linear``).
+  a weight kept in pair layout (``woq_cpu.bf16_pairs_linear``), or AMX tiles on the same layout where
+  they are measured faster (``cpu_kernel_choice.bf16_amx_faster``: up to 16 rows per pass over the weight).
 - ``WeightOnlyLinear`` (``"int8"``: symmetric per output channel; ``"int4"``: scale and
   offset per group of 128 inputs, LM head at int8): the weight stays quantized in memory, so a
   memory-bound step reads about a quarter (int8) or an eighth (int4) of float32's bytes; the CPU
@@ -23,7 +24,9 @@
   depends on that row alone, bit for bit, and the rest of the forward computes a row the same
   way in a one-row decode and in a K+1-row verification (``tests/models/test_row_consistency.py``),
   so the int8 step function sees the same input in both and speculation stays lossless. A layer
-  whose shape the format does not take (in_features not a multiple of 64) stays weight-only.
+  whose shape the format does not take (in_features not a multiple of 64) stays weight-only. On AMX
+  CPUs the kernel's AMX path (the same values bit for bit) runs from the row count measured faster
+  (``cpu_kernel_choice.a8_amx_min_rows``).
 - ``DynamicInt8Linear`` (``"int8_dynamic"``): int8 weights (per-channel) and per-call int8
   activations through PyTorch's fbgemm dynamic-quantized linear; 2-3x faster than packed bf16
   at 1-6 rows on the development CPU. Activation quantization changes numerics more than
@@ -42,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kernels import woq_cpu
+from specdec.kernels import amx_cpu, woq_cpu
 from specdec.kernels.woq_format import (
     Int4Weight,
     Int8Weight,
@@ -50,6 +53,7 @@ from specdec.kernels.woq_format import (
     quantize_int8,
     supports_a8,
 )
+from specdec.layers import cpu_kernel_choice
 from specdec.layers.fp8 import Fp8Linear
 
 INT4_GROUP_SIZE = 128  # inputs per int4 scale / offset: 4.5 bits per weight with float32 scales
@@ -139,7 +143,8 @@ class Bf16WeightLinear(nn.Module):
         if ops is None:
             return _Bf16Plan(None, 0)
         if self.pairs:
-            op = ops.bf16_pairs_linear.default
+            amx = amx_cpu.extension() if cpu_kernel_choice.bf16_amx_faster() else None
+            op = amx.amx_bf16_linear.default if amx is not None else ops.bf16_pairs_linear.default
             return _Bf16Plan(lambda x: op(x, weight, bias), None)  # noqa: E731
         op = ops.bf16_linear.default
         return _Bf16Plan(lambda x: op(x, weight, bias), woq_cpu.BF16_KERNEL_MAX_ROWS * self.in_features)  # noqa: E731
@@ -155,7 +160,8 @@ class Bf16WeightLinear(nn.Module):
         return woq_cpu.bf16_linear(x, self.weight_bf16, self.bias)  # past the kernel's rows: float32 GEMM
 
     def extra_repr(self) -> str:
-        layout = ", pair layout" if self.pairs else ""
+        amx = ", AMX" if self.pairs and cpu_kernel_choice.bf16_amx_faster() else ""
+        layout = f", pair layout{amx}" if self.pairs else ""
         return f"bf16 weight{layout}, in={self.in_features}, out={self.out_features}"
 
 
@@ -258,7 +264,12 @@ class WeightOnlyLinear(nn.Module):
         if ops is None:
             return lambda x: woq_cpu.linear_a8(x, weight, bias)  # the reference off CPU
         op, args = ops.a8_linear.default, woq_cpu.a8_kernel_args(weight)
-        return lambda x: op(x, *args, bias)
+        amx_rows = cpu_kernel_choice.a8_amx_min_rows(self.int4)
+        if amx_rows is None:
+            return lambda x: op(x, *args, bias)
+        # the AMX path from the measured row count on: the same values bit for bit, fewer cycles per row
+        amx_op, amx_inputs = amx_cpu.extension_a8().a8_linear_amx.default, amx_rows * self.in_features
+        return lambda x: (amx_op if x.numel() >= amx_inputs else op)(x, *args, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:

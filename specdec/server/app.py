@@ -29,6 +29,7 @@ from specdec.server.async_engine import AsyncEngine, EngineDead
 from specdec.server.error_middleware import InternalErrors
 from specdec.server.json_response import StrictJSONResponse
 from specdec.server.limits import RequestLimits
+from specdec.server.lora_models import LoRAModels
 from specdec.server.metrics import ServerMetrics
 from specdec.server.openapi import GENERATION_ROUTES, error_responses, generation_responses, install_openapi
 from specdec.server.prepare import Preparer, max_token_chars
@@ -60,6 +61,11 @@ class ServerSettings:
     allowed_hosts: list[str] = field(default_factory=list)  # empty: any Host header
     tool_call_parser: str | None = None  # None: the one the chat template's format implies, if any
     on_engine_death: Callable[[], None] | None = None  # event-loop thread; cli.py exits non-zero
+    # LoRA (an engine with enable_lora): adapters served as models, [(name, PEFT folder)]; runtime
+    # loading (/v1/load_lora_adapter, /v1/unload_lora_adapter) only from inside lora_allowed_dirs
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
+    enable_lora_runtime_updates: bool = False
+    lora_allowed_dirs: list[str] = field(default_factory=list)
 
 
 def _bearer_ok(request: Request, key: str) -> bool:
@@ -78,9 +84,10 @@ def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
     pool = TokenizerPool(engine.tokenizer, settings.tokenizer_workers, settings.max_pending_prepares)
     tool_parser = (get_tool_parser(settings.tool_call_parser) if settings.tool_call_parser
                    else parser_for_template(getattr(engine.tokenizer, "chat_template", None)))
+    lora_models = _lora_models(engine, settings)
     preparer = Preparer(settings.limits, [settings.model_name], engine.max_model_len, engine.vocab_size,
                         admission.capacity, max_token_chars(engine.tokenizer), engine.validate_prompt,
-                        engine.compile_grammar, tool_parser)
+                        engine.compile_grammar, tool_parser, lora_models=lora_models)
     serving = OpenAIServing(async_engine, admission, preparer, pool, settings.write_timeout)
     started = int(time.time())
     limits = settings.limits
@@ -166,8 +173,43 @@ def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models", dependencies=v1, responses={200: {"model": ModelList}, **error_responses(401)})
     async def models():
         data = [{"id": name, "object": "model", "created": started, "owned_by": "specdec",
-                 "root": engine.config.model, "max_model_len": engine.max_model_len} for name in serving.model_names]
+                 "root": engine.config.model, "parent": None, "max_model_len": engine.max_model_len}
+                for name in serving.model_names]
+        for name in lora_models.names() if lora_models is not None else []:
+            lora = lora_models.lookup(name)
+            if lora is not None:
+                data.append({"id": name, "object": "model", "created": started, "owned_by": "specdec",
+                             "root": lora.lora_path, "parent": settings.model_name,
+                             "max_model_len": engine.max_model_len})
         return {"object": "list", "data": data}
+
+    if lora_models is not None and settings.enable_lora_runtime_updates:
+        import asyncio
+
+        async def lora_body(request: Request) -> dict:
+            import json
+
+            raw = await read_body(request, limits.max_body_bytes, limits.body_timeout)
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise APIError(400, "the body must be a JSON object") from None
+            if not isinstance(body, dict):
+                raise APIError(400, "the body must be a JSON object")
+            return body
+
+        @app.post("/v1/load_lora_adapter", dependencies=v1)
+        async def load_lora_adapter(request: Request):
+            body = await lora_body(request)
+            lora = await asyncio.to_thread(lora_models.load, body.get("lora_name"), body.get("lora_path"))
+            return Response(f"Success: LoRA adapter '{lora.lora_name}' added successfully.", media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter", dependencies=v1)
+        async def unload_lora_adapter(request: Request):
+            body = await lora_body(request)
+            lora_models.unload(body.get("lora_name"))
+            return Response(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.",
+                            media_type="text/plain")
 
     @app.get("/health", responses={200: {"model": Health}, 503: {"model": Health, "description": "engine dead or "
                                                                                               "shutting down"}})
@@ -193,3 +235,18 @@ def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
         return {"version": specdec.__version__}
 
     return app
+
+
+def _lora_models(engine: EngineCore, settings: ServerSettings) -> LoRAModels | None:
+    """The adapters served by name (``--lora-modules``), each validated now: a bad one stops the start."""
+    if not engine.config.enable_lora:
+        if settings.lora_modules or settings.enable_lora_runtime_updates:
+            raise ValueError("--lora-modules / --enable-lora-runtime-updates need --enable-lora")
+        return None
+    if settings.enable_lora_runtime_updates and not settings.lora_allowed_dirs:
+        raise ValueError("--enable-lora-runtime-updates needs at least one --lora-allowed-dir to load adapters from")
+    models = LoRAModels(settings.model_name, engine.validate_lora, engine.remove_lora, engine.lora_registry.new_id,
+                        settings.lora_allowed_dirs)
+    for name, path in settings.lora_modules:
+        models.add(name, path)
+    return models

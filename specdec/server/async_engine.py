@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from specdec.engine.engine_core import EngineCore
+from specdec.lora.request import LoRARequest
 from specdec.outputs import RequestOutput
 from specdec.sampling_params import SamplingParams
 from specdec.server.mailbox import Mailbox
@@ -38,6 +39,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -164,7 +166,8 @@ class AsyncEngine:
         for req in cmd.requests:
             taken = req.request_id in self.engine.groups  # never with uuid ids; then it is not ours to abort
             try:
-                self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, prompt=req.prompt)
+                self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, prompt=req.prompt,
+                                        lora_request=req.lora_request)
             except Exception as e:  # noqa: BLE001 - all-or-nothing: one bad prompt fails its HTTP request only
                 if not isinstance(e, ValueError):
                     logger.exception("add_request(%s) failed", req.request_id)
@@ -185,7 +188,8 @@ class AsyncEngine:
     def _readd(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             req = self._live[rid].request
-            self.engine.add_request(rid, req.prompt_token_ids, req.params, prompt=req.prompt)
+            self.engine.add_request(rid, req.prompt_token_ids, req.params, prompt=req.prompt,
+                                    lora_request=req.lora_request)
 
     def _abort(self, request_ids: list[str]) -> None:
         live = [rid for rid in request_ids if rid in self._live]

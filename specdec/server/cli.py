@@ -56,6 +56,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                    help="the format the model writes tool calls in (default: the one its chat template shows: "
                         "<tool_call> tags -> hermes, Llama 3 markers -> llama3_json)")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served as models of their own, selected by model=NAME "
+                        "(needs --enable-lora)")
+    g.add_argument("--enable-lora-runtime-updates", action="store_true",
+                   help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (loading only from --lora-allowed-dir)")
+    g.add_argument("--lora-allowed-dir", action="append", default=[], metavar="DIR",
+                   help="a folder runtime-loaded adapters may come from (repeatable)")
     g.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection has to send a request's headers, from opening or from its "
                         "previous response, however slowly it sends them (then it is closed)")
@@ -85,6 +92,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args, name: str):
     from specdec.server.app import ServerSettings
+    from specdec.server.lora_models import parse_lora_modules
 
     for flag in ("max_connections", "max_header_bytes"):
         if getattr(args, flag) < 1:
@@ -105,7 +113,10 @@ def settings_from_args(args, name: str):
                           tokenizer_workers=args.tokenizer_workers, max_pending_prepares=args.max_pending_prepares,
                           shutdown_timeout=args.shutdown_timeout, engine_stop_timeout=args.shutdown_timeout + 10.0,
                           enable_docs=args.enable_docs, tool_call_parser=args.tool_call_parser,
-                          allowed_hosts=[h for h in args.allowed_hosts.split(",") if h.strip()])
+                          allowed_hosts=[h for h in args.allowed_hosts.split(",") if h.strip()],
+                          lora_modules=parse_lora_modules(args.lora_modules),
+                          enable_lora_runtime_updates=args.enable_lora_runtime_updates,
+                          lora_allowed_dirs=list(args.lora_allowed_dir))
 
 
 def cmd_serve(args) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from specdec.lora.request import LoRARequest
 from specdec.outputs import RequestOutput
 from specdec.sampling_params import SamplingParams
 from specdec.server.admission import Admission, Closed, QueueFull
@@ -20,12 +21,13 @@ from specdec.server.structured import engine_error_param
 
 class Generation:
     def __init__(self, engine: AsyncEngine, admission: Admission, base_id: str, prompt_ids: list[list[int]],
-                 prompt_texts: list[str | None], params: SamplingParams, constraint_field: str | None = None):
+                 prompt_texts: list[str | None], params: SamplingParams, constraint_field: str | None = None,
+                 lora_request: LoRARequest | None = None):
         self.engine = engine
         self.constraint_field = constraint_field  # names the field of an engine error about the grammar
         self.admission = admission
         self.params = params
-        self.requests = [EngineRequest(f"{base_id}-{i}", ids, params, text)
+        self.requests = [EngineRequest(f"{base_id}-{i}", ids, params, text, lora_request)
                          for i, (ids, text) in enumerate(zip(prompt_ids, prompt_texts))]
         self.index = {r.request_id: i for i, r in enumerate(self.requests)}
         self.latest: list[RequestOutput | None] = [None] * len(self.requests)

@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specdec.lora.request import LoRARequest
 from specdec.sampling_params import SamplingParams
+from specdec.server.lora_models import LoRAModels
 from specdec.server.limits import RequestLimits, check_limits
 from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from specdec.server.request_body import parse_request
@@ -32,6 +34,7 @@ class Prepared:
     prompt_texts: list[str | None]
     constraint_field: str | None = None  # the request field the output constraint came from
     tool_parser: ToolParser | None = None  # reads the output's tool calls (chat with tools)
+    lora_request: LoRARequest | None = None  # the adapter ``model`` names (None: the base model)
 
 
 def max_token_chars(tokenizer) -> int:
@@ -54,6 +57,7 @@ class Preparer:
     # EngineCore.compile_grammar (thread-safe, cached): a grammar that does not compile is a 400 here
     compile_grammar: Callable[[StructuredOutputsParams], object]
     tool_parser: ToolParser | None = None  # the model's tool-call format (--tool-call-parser or its template)
+    lora_models: LoRAModels | None = None  # the adapters served as models of their own (--enable-lora)
     # what bodies are validated with, and /openapi.json publishes: the limits as schema constraints
     models: RequestModels = field(init=False)
 
@@ -62,9 +66,15 @@ class Preparer:
 
     def check_model(self, name: str | None) -> str:
         if name is not None and name not in self.model_names:
-            raise APIError(404, f"the model '{name[:200]}' does not exist; this server serves {self.model_names}",
+            if self.lora_models is not None and self.lora_models.lookup(name) is not None:
+                return name
+            served = self.model_names + (self.lora_models.names() if self.lora_models is not None else [])
+            raise APIError(404, f"the model '{name[:200]}' does not exist; this server serves {served}",
                            param="model", code="model_not_found")
         return self.model_names[0]
+
+    def _lora(self, model: str) -> LoRARequest | None:
+        return self.lora_models.lookup(model) if self.lora_models is not None else None
 
     def _common(self, req, num_prompts: int) -> tuple[str, SamplingParams, str | None, ToolPlan]:
         model = self.check_model(req.model)
@@ -116,7 +126,7 @@ class Preparer:
                 texts.append(None)
                 ids.append(list(p))
             self._validate_ids(ids[-1], "prompt")
-        return Prepared(req, model, params, ids, texts, field)
+        return Prepared(req, model, params, ids, texts, field, lora_request=self._lora(model))
 
     def chat(self, tokenizer, body: bytes) -> Prepared:
         req = parse_request(self.models.chat, body)
@@ -136,7 +146,7 @@ class Preparer:
             ids = ids["input_ids"]
         ids = list(ids)
         self._validate_ids(ids, "messages")
-        return Prepared(req, model, params, [ids], [None], field, tools.parser)
+        return Prepared(req, model, params, [ids], [None], field, tools.parser, self._lora(model))
 
 
 def _describe(tool_choice) -> str:

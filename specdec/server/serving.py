@@ -82,7 +82,8 @@ class OpenAIServing:
         prep = await self._prepare(self.preparer.completion, body)
         req, model, params, ids, texts = prep.req, prep.model, prep.params, prep.prompt_ids, prep.prompt_texts
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        gen = Generation(self.engine, self.admission, rid, ids, texts, params, prep.constraint_field)
+        gen = Generation(self.engine, self.admission, rid, ids, texts, params, prep.constraint_field,
+                         prep.lora_request)
         n, top = params.n, params.logprobs or 0
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
@@ -139,7 +140,8 @@ class OpenAIServing:
         prep = await self._prepare(self.preparer.chat, body)
         req, model, params, ids = prep.req, prep.model, prep.params, prep.prompt_ids[0]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        gen = Generation(self.engine, self.admission, rid, [ids], [None], params, prep.constraint_field)
+        gen = Generation(self.engine, self.admission, rid, [ids], [None], params, prep.constraint_field,
+                         prep.lora_request)
         top = params.logprobs or 0
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model}
         parser = prep.tool_parser

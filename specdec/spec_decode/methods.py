@@ -61,7 +61,7 @@ def _no_checks(spec: SpeculativeConfig) -> None:
     return None
 
 
-def _no_draft_limit(spec: SpeculativeConfig, tokenizer, model_config) -> int | None:
+def _no_draft_config(spec: SpeculativeConfig, tokenizer, model_config):
     return None
 
 
@@ -88,9 +88,10 @@ class SpecMethod:
     needs_target_hidden: bool = False  # it reads the target's hidden states every step
     graph_capturable: bool = True  # its steps can run in CUDA/HIP graphs
     validate: Callable[[SpeculativeConfig], None] = _no_checks
-    # files only, before any weights load: raises if the draft cannot serve this target; returns
-    # the draft's position limit (the engine's max_model_len stays below it) or None
-    check_draft: Callable[[SpeculativeConfig, Any, Any], int | None] = _no_draft_limit
+    draft_kv_cache: bool = False  # its draft keeps a paged KV cache beside the target's (block tables shared)
+    # files only, before any weights load: raises if the draft cannot serve this target; returns the
+    # draft model's config (its position limit caps max_model_len, its windows the KV freed) or None
+    check_draft: Callable[[SpeculativeConfig, Any, Any], Any] = _no_draft_config
     plan_draft: Callable[[SpeculativeConfig, EngineConfig, WeightPlan, Any], WeightPlan | None] = _no_draft_weights
     load: Callable[[DraftLoad], DraftParts] = _no_parts
     # controls a caller may send its proposer (``Executor.control_proposer``): name -> fn(proposer, payload)
@@ -161,15 +162,15 @@ def _validate_draft_model(spec: SpeculativeConfig) -> None:
                          f"got {spec.draft_tensor_parallel_size}")
 
 
-def _check_draft_model(spec: SpeculativeConfig, tokenizer, model_config) -> int | None:
-    """The draft must speak the target's token ids; its context limit caps the engine's."""
+def _check_draft_model(spec: SpeculativeConfig, tokenizer, model_config):
+    """The draft must speak the target's token ids: its config."""
     from specdec.engine.builder import check_vocab_compatible, load_tokenizer
     from specdec.models.loader import load_config, resolve_model_path
 
     draft_path = resolve_model_path(spec.model)
     draft_cfg = load_config(draft_path)
     check_vocab_compatible(tokenizer, model_config, load_tokenizer(draft_path), draft_cfg, draft_path)
-    return getattr(draft_cfg, "max_position_embeddings", None)
+    return draft_cfg
 
 
 def _plan_draft_model(spec: SpeculativeConfig, cfg: EngineConfig, target: WeightPlan, device) -> WeightPlan:
@@ -304,7 +305,7 @@ def _build_suffix(spec, runner, vocab_size, parts: DraftParts):
     return TokenListProposer(SuffixProposer(spec.max_k), "suffix")
 
 
-_MODEL_DRAFT = dict(needs_model=True, has_draft_model=True, supports_tree=True)
+_MODEL_DRAFT = dict(needs_model=True, has_draft_model=True, supports_tree=True, draft_kv_cache=True)
 register_method(SpecMethod("draft_model", _build_draft_model, **_MODEL_DRAFT, supports_draft_vocab=True,
                            validate=_validate_draft_model, check_draft=_check_draft_model,
                            plan_draft=_plan_draft_model, load=_load_draft_model))

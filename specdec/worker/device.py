@@ -31,6 +31,43 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     raise ValueError(f"device must be 'auto', 'cpu', 'cuda[:N]' or 'rocm', got {device!r}")
 
 
+# the /proc/cpuinfo flags specdec's CPU kernels (or the libraries they call: oneDNN, fbgemm) use
+KERNEL_ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                    "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_info(cpuinfo: str = "/proc/cpuinfo") -> dict:
+    """The CPU as /proc/cpuinfo gives it (its first processor): vendor, family and model numbers, model
+    name, and which of ``KERNEL_ISA_FLAGS`` it has, in that order. What a kernel costs differs between
+    CPU kinds that share a name (a VM's may read just "AMD EPYC"): the family and model say which
+    generation it is (AMD family 25 is Zen 3/4, 26 Zen 5; Intel family 6 with amx_tile is Sapphire
+    Rapids or later)."""
+    fields: dict[str, str] = {}
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if not line.strip():
+                    if fields:
+                        break  # the first processor's block is enough
+                    continue
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set(fields.get("flags", "").split())
+    as_int = lambda v: int(v) if v and v.isdigit() else None  # noqa: E731
+    return {"vendor": fields.get("vendor_id"), "family": as_int(fields.get("cpu family")),
+            "model": as_int(fields.get("model")), "model_name": fields.get("model name"),
+            "isa": [flag for flag in KERNEL_ISA_FLAGS if flag in flags]}
+
+
+def describe_cpu(info: dict) -> str:
+    """One line: vendor, family / model, name, ISA features (``cpu_info``'s fields)."""
+    isa = " ".join(info["isa"]) or "none of the kernels' sets"
+    name = f"{info['vendor'] or '?'} family {info['family']} model {info['model']} ({info['model_name'] or '?'})"
+    return f"{name}; ISA: {isa}"
+
+
 @functools.cache
 def cpu_supports_bf16() -> bool:
     """True when the CPU has native bf16 matmul (AMX or AVX512-BF16)."""

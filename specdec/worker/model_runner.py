@@ -18,6 +18,7 @@ from functools import partial
 import torch
 
 from specdec.layers.attention import AttentionMetadata
+from specdec.layers.lora import LoRAMapping
 
 
 @dataclass
@@ -66,6 +67,7 @@ class ModelRunner:
         logits_rows: list[list[int]],  # per request: indices (into its fed tokens) needing logits
         tree_positions: list[list[int] | None] | None = None,  # per request: its rows' own positions (token trees)
         tree_masks: list[tuple[int, torch.Tensor] | None] | None = None,  # see ``AttentionMetadata.tree_masks``
+        lora_slots: list[int] | None = None,  # per request: its adapter slot (-1: base), see ``layers/lora.py``
     ) -> ForwardBatch:
         """Request i's tokens go to the slots of positions start_positions[i], +1, ...; they are
         also their positions unless ``tree_positions[i]`` gives others (a tree's nodes: depth)."""
@@ -92,6 +94,7 @@ class ModelRunner:
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=bs,
             tree_masks=None if tree_masks is None or all(m is None for m in tree_masks) else
             [m if m is None else (m[0], m[1].to(dev)) for m in tree_masks],
+            lora_mapping=None if lora_slots is None else LoRAMapping.build(lora_slots, qsl, dev),
         )
         return ForwardBatch(t(flat_ids), t(positions), attn, t(logits_idx))
 

@@ -187,6 +187,8 @@ def resolve_plan(cfg: EngineConfig, model_path: str, model_config, max_model_len
     attention = attention_backend_name(cfg, machine, dtype)
     graphs = (device.type == "cuda" and attention == "triton" and not cfg.enforce_eager and not tensor_parallel
               and (method is None or method.graph_capturable))  # collectives are not captured in graphs yet
+    # LoRA rows take their adapter from each step's metadata, which a replayed graph does not read
+    graphs = graphs and not cfg.enable_lora
     sampler = "triton" if device.type == "cuda" and machine.has("triton_sampler") else "torch"
     if cfg.kv_cache_memory is not None:
         budget = cfg.kv_cache_memory

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.engine.request import TokenSequence
+from specdec.lora.request import LoRARequest
 from specdec.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class CachedRequestState(TokenSequence):
     block_ids: list[int] = field(default_factory=list)  # the scheduler's, this step
     spec_depth: int = 0  # the planned tree depth of the drafts proposed this step (0: the proposer's own)
     grammar: GrammarState | None = None  # structured output: the request's matcher (the worker's)
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
     next_drafts: PendingDrafts | None = None  # proposed at the end of the last step it was scheduled in
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 

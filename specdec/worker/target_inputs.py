@@ -25,7 +25,8 @@ class TargetInputs:
 
 
 def prepare_target(runner: ModelRunner, reqs: list[CachedRequestState], num_scheduled: list[int],
-                   proposal: DraftProposal) -> TargetInputs:
+                   proposal: DraftProposal, lora_slots: list[int] | None = None) -> TargetInputs:
+    """``lora_slots``: per request, its adapter's slot (all its rows, drafts included, use it)."""
     feeds, starts, tables, logit_rows, verified = [], [], [], [], []
     tree_positions, tree_masks = [], []
     for i, (req, n, drafts) in enumerate(zip(reqs, num_scheduled, proposal.draft_token_ids)):
@@ -44,5 +45,5 @@ def prepare_target(runner: ModelRunner, reqs: list[CachedRequestState], num_sche
             mask = (start + n, tree.ancestor_mask(proposal.draft_parents[i], rows_before=n))
         tree_positions.append(positions)
         tree_masks.append(mask)
-    batch = runner.prepare(feeds, starts, tables, logit_rows, tree_positions, tree_masks)
+    batch = runner.prepare(feeds, starts, tables, logit_rows, tree_positions, tree_masks, lora_slots)
     return TargetInputs(batch, verified, starts, batch.attn.query_start_loc_cpu[:-1])

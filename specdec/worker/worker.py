@@ -54,6 +54,7 @@ class Worker:
         self.structured_output = StructuredOutputStage(
             lambda params: get_backend(key, lambda: load_tokenizer(key[0])).compile(params), vocab_size,
             eos_token_ids, cfg.structured_outputs_forced_tokens)
+        self.lora = _lora_manager(cfg, self.runner.model, model_config, self.dtype) if cfg.enable_lora else None
 
     @property
     def num_kv_blocks(self) -> int:
@@ -64,7 +65,8 @@ class Worker:
         reqs = self._update_states(sched)
         proposal = self._scheduled_drafts(reqs, sched)
         t0 = time.perf_counter()
-        inputs = prepare_target(self.runner, reqs, sched.num_scheduled_tokens, proposal)
+        lora_slots = self.lora.activate([r.lora_request for r in reqs]) if self.lora is not None else None
+        inputs = prepare_target(self.runner, reqs, sched.num_scheduled_tokens, proposal, lora_slots)
         with profile_range("forward"):
             if self.proposer is not None and self.proposer.needs_target_hidden:
                 logits, hidden = self.runner.forward_with_hidden(inputs.batch)
@@ -88,7 +90,8 @@ class Worker:
         for new in sched.new_requests:
             gen = None if new.seed is None else torch.Generator(device=self.device).manual_seed(new.seed)
             state = self.requests[new.request_id] = CachedRequestState(
-                new.request_id, list(new.prompt_token_ids), new.sampling_params, self.eos_token_ids, gen)
+                new.request_id, list(new.prompt_token_ids), new.sampling_params, self.eos_token_ids, gen,
+                lora_request=new.lora_request)
             if new.sampling_params.structured_outputs is not None:
                 state.grammar = self.structured_output.new_grammar(new.sampling_params.structured_outputs)
         for rid in sched.preempted_req_ids:  # its blocks were freed: the draft KV is gone too
@@ -273,6 +276,14 @@ class Worker:
     def apply_model(self, fn):
         """``fn(target model)`` on this rank (inspection: weight bytes, parameters)."""
         return fn(self.runner.model)
+
+
+def _lora_manager(cfg: EngineConfig, model, model_config, dtype: torch.dtype):
+    """Wrap the (quantized, sharded) target's linears in LoRA layers with ``max_loras`` slots."""
+    from specdec.layers.lora import apply_lora
+    from specdec.lora.manager import LoRAManager
+
+    return LoRAManager(apply_lora(model, cfg.max_loras, cfg.max_lora_rank, dtype), model_config, cfg.max_lora_rank)
 
 
 def _token_logprobs(lp: torch.Tensor, token: int, top: int) -> dict[int, float]:

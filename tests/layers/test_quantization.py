@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kernels import woq_cpu
-from specdec.layers import quantization
+from specdec.kernels import amx_cpu, woq_cpu
+from specdec.layers import cpu_kernel_choice, quantization
 from specdec.layers.norm import RMSNorm
 from specdec.kernels.woq_format import quantize_int4, quantize_int8, reference_linear, reference_linear_a8
 from specdec.layers.quantization import (
@@ -89,12 +89,15 @@ def test_bf16_weight_linear_on_a_bf16_model_equals_f_linear(rows):
 
 
 @pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
-@pytest.mark.parametrize("pairs_cpu", [True, False])
+@pytest.mark.parametrize("pairs_cpu, amx", [(True, False), (True, True), (False, False)])
 def test_bf16_weight_linear_from_a_bf16_linear_takes_the_pair_kernel_only_where_the_cpu_has_bf16_dot_products(
-        monkeypatch, pairs_cpu):
+        monkeypatch, pairs_cpu, amx):
     if pairs_cpu and not woq_cpu.bf16_pairs_available():
         pytest.skip("no avx512_bf16 here")
+    if amx and not amx_cpu.available():
+        pytest.skip("no AMX here")
     monkeypatch.setattr(woq_cpu, "bf16_pairs_available", lambda: pairs_cpu)
+    monkeypatch.setattr(cpu_kernel_choice, "bf16_amx_faster", lambda: amx)  # the kernel measured faster
     torch.manual_seed(0)
     lin = nn.Linear(128, 96, bias=True).to(torch.bfloat16)
     layer = Bf16WeightLinear(lin)
@@ -105,8 +108,9 @@ def test_bf16_weight_linear_from_a_bf16_linear_takes_the_pair_kernel_only_where_
         x = torch.randn(rows, 128)
         out = layer(x)
         assert out.dtype == torch.float32 and out.shape == (rows, 96)
-        if pairs_cpu:  # activations rounded to bf16, every row count
-            assert torch.equal(out, woq_cpu.bf16_pairs_linear(x, layer.weight_bf16, layer.bias))
+        if pairs_cpu:  # activations rounded to bf16, every row count through one kernel
+            kernel = amx_cpu.amx_bf16_linear if amx else woq_cpu.bf16_pairs_linear
+            assert torch.equal(out, kernel(x, layer.weight_bf16, layer.bias))
         else:  # float32 products, the kernel up to its row limit
             torch.testing.assert_close(out, F.linear(x, lin.weight.float(), layer.bias), rtol=1e-5, atol=1e-5)
 
@@ -230,3 +234,18 @@ def test_a_copied_bf16_weight_linear_multiplies_by_its_own_weight(dtype):
     assert torch.equal(layer(x), before)
     assert torch.equal(twin(x), 2 * before)  # times 2 is exact in bf16 and in the float32 sums
     assert not torch.equal(twin(x), before)
+
+
+@pytest.mark.parametrize("amx_rows", [None, 4])
+def test_an_int8_activation_layer_switches_to_amx_at_the_measured_row_count_with_equal_rows(monkeypatch, amx_rows):
+    if amx_rows is not None and amx_cpu.extension_a8() is None:
+        pytest.skip("no AMX int8 here")
+    if woq_cpu.extension_a8() is None:
+        pytest.skip("no int8-activation kernel here")
+    monkeypatch.setattr(cpu_kernel_choice, "a8_amx_min_rows", lambda int4: amx_rows)
+    torch.manual_seed(0)
+    layer = W4A8Linear(nn.Linear(128, 48, bias=True))
+    x = torch.randn(9, 128)
+    whole = layer(x)
+    for i in range(9):  # each row as its own one-row call (the VNNI path when amx_rows is set)
+        assert torch.equal(whole[i:i + 1], layer(x[i:i + 1]))

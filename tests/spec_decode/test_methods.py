@@ -2,6 +2,7 @@
 builds its proposer; config validation reads it; benchmark-only methods register from bench/,
 and the serving core imports nothing from bench/ or training/."""
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ def test_the_builtin_methods_describe_what_they_need():
     draft, eagle, ngram = get_method("draft_model"), get_method("eagle3"), get_method("ngram")
     assert draft.needs_model and draft.has_draft_model and draft.supports_tree and draft.supports_draft_vocab
     assert eagle.needs_target_hidden and not eagle.graph_capturable and not eagle.supports_draft_vocab
+    assert draft.draft_kv_cache and eagle.draft_kv_cache and not ngram.draft_kv_cache
     assert not (ngram.needs_model or ngram.has_draft_model or ngram.supports_tree) and ngram.graph_capturable
 
 
@@ -95,7 +97,10 @@ def test_the_serving_core_imports_nothing_from_bench_or_training():
 
 
 def test_nothing_outside_the_registry_branches_on_a_method_name():
-    pattern = ("method ==", "method !=", "method in (", "method not in (")
+    import specdec.bench  # noqa: F401  (replay too)
+
+    names = "|".join(method_names())
+    branch = re.compile(rf"""method\s*(==|!=)\s*["']({names})["']|method\s+(not\s+)?in\s*[(\[{{].*["']({names})["']""")
     hits = []
     for layer in SERVING_CORE + ("config.py", "cli.py", "llm.py"):
         base = ROOT / "specdec" / layer
@@ -103,6 +108,7 @@ def test_nothing_outside_the_registry_branches_on_a_method_name():
             rel = path.relative_to(ROOT).as_posix()
             if rel == "specdec/spec_decode/methods.py":
                 continue
-            hits += [f"{rel}: {line.strip()}" for line in path.read_text().splitlines() if any(p in line for p in pattern)]
+            hits += [f"{rel}: {line.strip()}" for line in path.read_text().splitlines() if branch.search(line)]
     # models/default.py picks the method for a shipped draft folder from what the folder holds
     assert all(h.startswith("specdec/models/default.py") for h in hits), hits
+    assert branch.search('if spec.method == "ngram":') and branch.search("m.method in ('eagle', 'x')")

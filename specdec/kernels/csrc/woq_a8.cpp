@@ -31,6 +31,15 @@
 //
 // Every (row, output) result is the same instruction sequence whatever M is and whichever rows
 // share its tile, so row i of an M-row call equals the 1-row call bit for bit.
+//
+// AMX (built with -mamx-int8 where the CPU has amx_int8; a8_linear_amx): the unit's integer sums
+// of up to 16 rows come from one tile product instead of 8 vpdpbusd per row: tile A holds the rows'
+// s8 activations of the unit (natural order), tile B the unit's weights, 4 inputs of 16 outputs per
+// 64-byte row, which is the int8 layout's vector as it is (int4: each vector's low nibbles, then its
+// high ones, unpacked into a buffer: inputs 8j .. 8j + 3, then 8j + 4 .. 8j + 7); int8 by tdpbssd,
+// int4 by tdpbsud (u8 weights). The sums are exact integers, the same as the VNNI path's, and
+// the float scaling after them is the same instructions in the same order, so a8_linear_amx
+// equals a8_linear bit for bit and a caller may pick either per call by its row count.
 #include <immintrin.h>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -170,6 +179,101 @@ void quantize_row(const float* row, int64_t K, bool int4, uint8_t* out, float* x
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * b + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(q1, shift)));
   }
 }
+
+#if defined(__AMX_INT8__)
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// tiles 0, 1: C (rows x 16 int32) of an even and an odd unit; 2, 3: their A (rows x E bytes); 4, 5: B
+// (E / 4 rows of 64 bytes). Two units in flight: tile registers are not renamed, so one unit's
+// product would otherwise wait for the previous unit's store.
+void configure_a8(int rows, int E) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 2; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(rows);
+    cfg.colsb[t] = 64;
+    cfg.rows[2 + t] = static_cast<uint8_t>(rows);
+    cfg.colsb[2 + t] = static_cast<uint16_t>(E);
+    cfg.rows[4 + t] = static_cast<uint8_t>(E / 4);
+    cfg.colsb[4 + t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// int4: the unit's 4 vectors at p as 8 B rows (low nibbles of vector j: row 2j, high: row 2j + 1)
+inline void unpack_int4_unit(const uint8_t* p, uint8_t* rows) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + 64 * j) + specdec_cpu_common::kStreamAhead, _MM_HINT_T1);
+    const __m512i v = _mm512_loadu_si512(p + 64 * j);
+    _mm512_store_si512(rows + 128 * j, _mm512_and_si512(v, low4));
+    _mm512_store_si512(rows + 128 * j + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+  }
+}
+
+// Block blk (16 outputs) for rows 0 .. M - 1 (M <= 16; activations s8 for both formats), tiles
+// configured for M rows and this E: the integer sums of two units by tiles, then the float
+// scaling of tile() above, unit by unit, row by row.
+template <bool INT4, int SF>
+void tile_amx(const Args& a, int64_t blk, int64_t M) {
+  constexpr int64_t kStep = INT4 ? 8 : 4;
+  alignas(64) int32_t isum[2][16 * 16];
+  alignas(64) uint8_t unpacked[2][512];
+  alignas(64) float facc[16][16];
+  for (int64_t m = 0; m < M; ++m) _mm512_store_ps(facc[m], _mm512_setzero_ps());
+  __m512 sv = _mm512_setzero_ps(), ov = _mm512_setzero_ps();
+  const uint8_t* wp = a.w + blk * a.blk_bytes;
+  for (int64_t k0 = 0; k0 < a.K; k0 += 2 * a.E) {
+    const int64_t k1 = k0 + a.E;
+    const uint8_t* p0 = wp + (k0 / kStep) * 64;
+    const uint8_t* p1 = wp + (k1 / kStep) * 64;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, a.xq + k0, a.K);
+    _tile_loadd(3, a.xq + k1, a.K);
+    if (INT4) {
+      unpack_int4_unit(p0, unpacked[0]);
+      unpack_int4_unit(p1, unpacked[1]);
+      _tile_loadd(4, unpacked[0], 64);
+      _tile_loadd(5, unpacked[1], 64);
+      _tile_dpbsud(0, 2, 4);
+      _tile_dpbsud(1, 3, 5);
+    } else {
+      for (int64_t off = 0; off < 2 * a.E * 16; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p0 + off) + specdec_cpu_common::kStreamAhead, _MM_HINT_T1);
+      _tile_loadd(4, p0, 64);
+      _tile_loadd(5, p1, 64);
+      _tile_dpbssd(0, 2, 4);
+      _tile_dpbssd(1, 3, 5);
+    }
+    _tile_stored(0, isum[0], 64);
+    _tile_stored(1, isum[1], 64);
+    for (int u = 0; u < 2; ++u) {
+      const int64_t k = u == 0 ? k0 : k1;
+      if (k % a.G == 0) {
+        sv = group_values<SF>(a, a.ws, a.ws_sup, blk, k / a.G);
+        if (INT4) ov = group_values<SF>(a, a.wo, a.wo_sup, blk, k / a.G);
+      }
+      const int64_t b = k / kABlock;
+      for (int64_t m = 0; m < M; ++m) {
+        const __m512i s = _mm512_load_si512(isum[u] + 16 * m);
+        __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sv, _mm512_set1_ps(a.xs[m * a.nab + b])),
+                                   _mm512_load_ps(facc[m]));
+        if (INT4) f = _mm512_fmadd_ps(ov, _mm512_set1_ps(a.xsx[m * a.nab + b]), f);
+        _mm512_store_ps(facc[m], f);
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) store_outputs(a, m, blk, facc[m]);
+}
+#endif  // __AMX_INT8__
 
 #else  // AVX2
 
@@ -322,6 +426,39 @@ void run_all(const Args& a, int64_t M, int sf) {
   }
 }
 
+#if defined(__AMX_INT8__)
+constexpr int64_t kAmxRows = 16;  // rows per tile pass
+
+template <bool INT4, int SF>
+void run_amx_format(const Args& a, int64_t M) {
+  const int64_t blocks = (a.N + kBlock - 1) / kBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    int configured = -1;
+    for (int64_t blk = begin; blk < end; ++blk)
+      for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, M - m0));
+        if (rows != configured) {
+          configure_a8(rows, static_cast<int>(a.E));
+          configured = rows;
+        }
+        Args part = a;
+        part.xq += m0 * a.K;
+        part.xs += m0 * a.nab;
+        if (INT4) part.xsx += m0 * a.nab;
+        part.y += m0 * a.N;
+        tile_amx<INT4, SF>(part, blk, rows);
+      }
+    _tile_release();
+  });
+}
+
+template <bool INT4>
+void run_amx(const Args& a, int64_t M, int sf) {
+  sf == kF32 ? run_amx_format<INT4, kF32>(a, M) : sf == kF16 ? run_amx_format<INT4, kF16>(a, M)
+                                                             : run_amx_format<INT4, kTwoLevel>(a, M);
+}
+#endif
+
 int scale_format(const at::Tensor& scales) {
   return scales.scalar_type() == at::kFloat ? kF32 : scales.scalar_type() == at::kHalf ? kF16 : kTwoLevel;
 }
@@ -366,9 +503,12 @@ Quantized quantize(const at::Tensor& xf, bool int4) {
 
 }  // namespace
 
-at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                     const at::Tensor& offsets, const at::Tensor& scales_sup, const at::Tensor& offsets_sup,
-                     int64_t K, int64_t N, const c10::optional<at::Tensor>& bias) {
+namespace {
+
+// amx: the AMX path (built with -mamx-int8 only); its activations are s8 for both formats
+at::Tensor a8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                          const at::Tensor& offsets, const at::Tensor& scales_sup, const at::Tensor& offsets_sup,
+                          int64_t K, int64_t N, const c10::optional<at::Tensor>& bias, bool amx) {
   const bool int4 = weight.scalar_type() == at::kByte;
   TORCH_CHECK(int4 || weight.scalar_type() == at::kChar, "woq a8: int8 or packed uint8 int4 weight");
   check_shapes(weight, scales, offsets, scales_sup, offsets_sup, K, N, int4);
@@ -377,7 +517,7 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
   const int64_t G = K / scales.size(1);
   const at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
   const int64_t M = xf.size(0);
-  const Quantized q = quantize(xf, int4);
+  const Quantized q = quantize(xf, int4 || amx);
   at::Tensor y = at::empty({M, N}, xf.options());
   const bool two = sf == kTwoLevel;
   const Args a{q.xq.data_ptr<uint8_t>(), q.xs.data_ptr<float>(), q.xsx.data_ptr<float>(),
@@ -385,12 +525,39 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
                two ? scales_sup.data_ptr<float>() : nullptr, two && int4 ? offsets_sup.data_ptr<float>() : nullptr,
                K, G, two ? K / scales_sup.size(1) : K, N, std::min<int64_t>(G, kABlock),
                K / G, two ? scales_sup.size(1) : 0, K / kABlock, kBlock * (int4 ? K / 2 : K), y.data_ptr<float>()};
+#if defined(__AMX_INT8__)
+  if (amx) {
+    int4 ? run_amx<true>(a, M, sf) : run_amx<false>(a, M, sf);
+  } else {
+    int4 ? run_all<true>(a, M, sf) : run_all<false>(a, M, sf);
+  }
+#else
+  TORCH_CHECK(!amx, "woq a8: built without AMX");
   int4 ? run_all<true>(a, M, sf) : run_all<false>(a, M, sf);
+#endif
   specdec_cpu_common::add_bias(y, bias);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   return y.view(sizes).to(x.scalar_type());
 }
+
+}  // namespace
+
+at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                     const at::Tensor& offsets, const at::Tensor& scales_sup, const at::Tensor& offsets_sup,
+                     int64_t K, int64_t N, const c10::optional<at::Tensor>& bias) {
+  return a8_linear_impl(x, weight, scales, offsets, scales_sup, offsets_sup, K, N, bias, false);
+}
+
+#if defined(__AMX_INT8__)
+// a8_linear through AMX tiles, equal to it bit for bit; the process must hold AMX state
+// (amx_cpu.available() asks the OS for it)
+at::Tensor a8_linear_amx(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                         const at::Tensor& offsets, const at::Tensor& scales_sup, const at::Tensor& offsets_sup,
+                         int64_t K, int64_t N, const c10::optional<at::Tensor>& bias) {
+  return a8_linear_impl(x, weight, scales, offsets, scales_sup, offsets_sup, K, N, bias, true);
+}
+#endif
 
 // The quantized activations as the kernel reads them: (q [M, K], as int8 bit patterns for int4 and
 // for int8 on AVX2, + 128 as uint8 for int8 on VNNI; block scales [M, K / 32]; int4: xs * block
@@ -406,4 +573,8 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
   m.def("a8_linear(Tensor x, Tensor weight, Tensor scales, Tensor offsets, Tensor scales_sup, Tensor offsets_sup, "
         "int K, int N, Tensor? bias=None) -> Tensor", &a8_linear);
   m.def("a8_quantize(Tensor x, bool int4) -> Tensor[]", &a8_quantize);
+#if defined(__AMX_INT8__)
+  m.def("a8_linear_amx(Tensor x, Tensor weight, Tensor scales, Tensor offsets, Tensor scales_sup, "
+        "Tensor offsets_sup, int K, int N, Tensor? bias=None) -> Tensor", &a8_linear_amx);
+#endif
 }

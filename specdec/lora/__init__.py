@@ -1,0 +1,4 @@
+"""LoRA adapters (vLLM's names): requests, PEFT checkpoints, the slot manager."""
+from specdec.lora.request import LoRARequest
+
+__all__ = ["LoRARequest"]

@@ -1,0 +1,81 @@
+"""LoRALinear (batched, grouped by slot) against the row-by-row reference, over a plain, a
+quantized and a fused base linear, with rows of two adapters and the base model mixed."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specdec.layers.lora import NO_ADAPTER, LoRAContext, LoRALinear, LoRAMapping, lora_reference
+from specdec.layers.quantization import Int8Linear
+
+IN, OUTS, RANK = 32, (24, 8, 8), 4
+
+
+def _weights(seed: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rank, IN, generator=gen), torch.randn(out, rank, generator=gen)) for out in OUTS]
+
+
+def _layer(base: nn.Module, slots: dict[int, list], max_loras: int = 3) -> tuple[LoRALinear, LoRAContext]:
+    context = LoRAContext()
+    layer = LoRALinear(base, ("q_proj", "k_proj", "v_proj"), [(0, o) for o in OUTS], (0, IN), max_loras, 8, context,
+                       torch.float32, "cpu")
+    for slot, parts in slots.items():
+        layer.set_slot(slot, dict(zip(("q_proj", "k_proj", "v_proj"), parts)))
+    return layer, context
+
+
+@pytest.fixture(params=["masked", "grouped"])
+def path(request, monkeypatch):
+    """Both execution paths: every slot at once with a row mask (small steps), per adapter (large)."""
+    if request.param == "grouped":
+        monkeypatch.setattr("specdec.layers.lora.DENSE_MAX_ELEMENTS", 0)
+    return request.param
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_mixed_rows_match_reference(quantized, path):
+    torch.manual_seed(0)
+    base = nn.Linear(IN, sum(OUTS))
+    if quantized:
+        base = Int8Linear(base)
+    slots = {0: _weights(1, RANK), 2: _weights(2, 8)}  # different ranks; slot 1 stays empty
+    layer, context = _layer(base, slots)
+    request_slots, qsl = [0, NO_ADAPTER, 2, 0, 2], [0, 3, 4, 9, 10, 12]  # ragged requests
+    x = torch.randn(qsl[-1], IN)
+    context.mapping = LoRAMapping.build(request_slots, qsl, "cpu")
+    row_slots = context.mapping.row_slots.tolist()
+    got = layer(x)
+    want = base(x) + lora_reference(x, row_slots, slots)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    context.mapping = None  # no mapping: the base linear alone
+    torch.testing.assert_close(layer(x), base(x))
+
+
+def test_one_adapter_owning_every_row_and_missing_parts(path):
+    torch.manual_seed(0)
+    base = nn.Linear(IN, sum(OUTS))
+    a_q, b_q = _weights(3, RANK)[0]
+    layer, context = _layer(base, {})
+    layer.set_slot(1, {"q_proj": (a_q, b_q)})  # an adapter of q only: k and v get no delta
+    x = torch.randn(5, IN)
+    context.mapping = LoRAMapping.build([1, 1], [0, 2, 5], "cpu")
+    assert context.mapping.groups[0][1] is None  # one group, every row: no gather
+    delta = layer(x) - base(x)
+    torch.testing.assert_close(delta[:, :OUTS[0]], x @ a_q.T @ b_q.T, rtol=1e-5, atol=1e-4)
+    assert torch.count_nonzero(delta[:, OUTS[0]:]) == 0
+
+
+def test_all_base_rows_build_no_mapping():
+    assert LoRAMapping.build([NO_ADAPTER, NO_ADAPTER], [0, 2, 3], "cpu") is None
+
+
+def test_emptied_slot_adds_nothing(path):
+    torch.manual_seed(0)
+    base = nn.Linear(IN, sum(OUTS))
+    layer, context = _layer(base, {0: _weights(1, RANK)})
+    layer.set_slot(0, {})
+    x = torch.randn(3, IN)
+    context.mapping = LoRAMapping.build([0], [0, 3], "cpu")
+    torch.testing.assert_close(layer(x), base(x))
