@@ -36,7 +36,7 @@ class ReplayProposer(Proposer):
         other = self.rng.randrange(self.vocab_size - 1)
         return other if other < token else other + 1
 
-    def propose(self, requests, num_spec: list[int], tree_budget=None) -> DraftProposal:
+    def propose(self, requests, num_spec: list[int], tree_budget=None, grammar=None, target=None) -> DraftProposal:
         drafts = []
         for req, k in zip(requests, num_spec):
             ref = self.references.get(tuple(req.prompt_token_ids))

@@ -6,8 +6,9 @@ Ownership (who writes each field; everyone else only reads):
 - ``Scheduler`` (``schedule`` / ``update_from_output`` / ``finish``): ``status``,
   ``num_computed_tokens``, ``num_cached_prompt_tokens``, ``num_preemptions``, the output
   tokens and logprobs (appended by the commit), ``first_token_time`` / ``last_token_time``,
-  and the per-request speculation counters ``num_drafts`` / ``num_draft_tokens`` /
-  ``num_accepted_tokens``.
+  the per-request speculation counters ``num_drafts`` / ``num_draft_tokens`` /
+  ``num_accepted_tokens``, and ``spec_token_ids`` (the drafts the worker proposed for the
+  next step, from its output).
 - ``OutputProcessor`` (called by the commit): ``output_text``, ``stop_reason`` and the
   detokenizer offsets.
 The worker keeps its own copy of what it needs (``specdec.worker.request_state``); the draft
@@ -99,6 +100,7 @@ class Request(TokenSequence):
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step (the worker's proposal)
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     @property

@@ -1,15 +1,18 @@
 """Token-budget scheduler and commit: no prefill/decode phases.
 
 ``schedule(plan)`` grants every running request ``num_tokens - num_computed_tokens`` tokens
-(a prefill chunk, or the one newest token) plus the draft slots the plan allows, within
-``max_num_batched_tokens`` and ``max_num_seqs``, first come first served. When the KV pool
-runs out, draft slots go first, then the newest running request is preempted (its blocks
-freed, recomputed later from its prompt + output so far): nothing crashes, nothing is dropped.
+(a prefill chunk, or the one newest token) plus the drafts the worker proposed for it at the
+end of the last step, within ``max_num_batched_tokens`` and ``max_num_seqs``, first come first
+served, and reserves KV slots for the drafts the plan lets the worker propose at the end of
+this step (the newest token's slot and one per draft). When the KV pool runs out, that
+reservation goes first, then the drafts, then the newest running request is preempted (its
+blocks freed, recomputed later from its prompt + output so far): nothing crashes, nothing is
+dropped.
 
 ``update_from_output`` commits what the worker decided: it appends each request's tokens one
 by one through the stop checks (a stop inside an accepted run cuts the run there), rolls
-``num_computed_tokens`` back past rejected drafts and frees the KV slots they used, and
-finishes requests.
+``num_computed_tokens`` back past rejected drafts, keeps the worker's next drafts and frees
+the KV slots past them, and finishes requests.
 """
 from __future__ import annotations
 
@@ -61,6 +64,16 @@ class Scheduler:
         room_in_output = req.max_tokens - req.num_output_tokens - 1
         return max(0, min(wanted, budget, room_in_context, room_in_output))
 
+    def _next_slots(self, req: Request, plan: SpeculationPlan) -> int:
+        """Drafts the worker may propose for ``req`` at the end of a step that completes its prompt."""
+        if not req.sampling_params.use_speculation:
+            return 0
+        wanted = plan.num_spec_tokens.get(req.request_id)
+        if wanted is None:
+            wanted = plan.new_request_spec_tokens
+        # the step emits at least one token; one more for the next step's own
+        return max(0, min(wanted, self.max_model_len - req.num_tokens - 1, req.max_tokens - req.num_output_tokens - 2))
+
     def schedule(self, plan: SpeculationPlan | None = None) -> SchedulerOutput:
         plan = plan or NO_PLAN
         out = SchedulerOutput(tree_budget=plan.tree_budget)
@@ -69,11 +82,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            wanted = plan.num_spec_tokens.get(req.request_id, 0)
-            num_spec = self._spec_slots(req, wanted, budget - num_new) \
-                if num_new == req.num_tokens - req.num_computed_tokens else 0
-            while not self.kv.allocate_slots(req, num_new + num_spec):
-                if num_spec:  # first give up the drafts, then preempt the newest request
+            completes = num_new == req.num_tokens - req.num_computed_tokens
+            num_spec = self._spec_slots(req, len(req.spec_token_ids), budget - num_new) if completes else 0
+            num_next = self._next_slots(req, plan) if completes else 0
+            # the next drafts' slots: the newest token's and one per draft (the worker writes draft KV there)
+            while not self.kv.allocate_slots(req, num_new + num_spec + (num_next + 1 if num_next else 0)):
+                if num_next:  # first give up the next drafts, then this step's, then preempt the newest request
+                    num_next = 0
+                    continue
+                if num_spec:
                     num_spec = 0
                     continue
                 victim = self.running.pop()
@@ -81,19 +98,23 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._add_to_batch(out, req, num_new, num_spec, plan.tree_depths.get(req.request_id, 0))
+                self._add_to_batch(out, req, num_new, req.spec_token_ids[:num_spec], num_next,
+                                   plan.tree_depths.get(req.request_id, 0))
                 budget -= num_new + num_spec
                 i += 1
         if not out.preempted_req_ids:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, plan)
         return out
 
-    def _add_to_batch(self, out: SchedulerOutput, req: Request, num_new: int, num_spec: int, depth: int) -> None:
+    def _add_to_batch(self, out: SchedulerOutput, req: Request, num_new: int, drafts: list[int], num_next: int,
+                      depth: int) -> None:
+        req.spec_token_ids = []  # verified this step, or dropped
         out.request_ids.append(req.request_id)
         out.num_computed_tokens.append(req.num_computed_tokens)
         out.num_scheduled_tokens.append(num_new)
-        out.num_spec_slots.append(num_spec)
-        out.tree_depths.append(depth if num_spec else 0)
+        out.spec_token_ids.append(drafts)
+        out.num_spec_slots.append(num_next)
+        out.tree_depths.append(depth if num_next else 0)
         out.num_output_tokens.append(req.num_output_tokens)
         out.block_ids.append(self.kv.get_block_ids(req.request_id))
         if req.request_id not in self._sent_to_worker:
@@ -101,7 +122,7 @@ class Scheduler:
             out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
                                                    req.seed, req.lora_request))
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, plan: SpeculationPlan) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if not self._adapter_fits(req):  # first come first served: it waits for an adapter to leave
@@ -112,14 +133,18 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not self.kv.allocate_slots(req, num_new, computed_blocks):
-                break
+            completes = num_new == req.num_tokens - num_hit
+            num_next = self._next_slots(req, plan) if completes else 0
+            if not self.kv.allocate_slots(req, num_new + (num_next + 1 if num_next else 0), computed_blocks):
+                if not num_next or not self.kv.allocate_slots(req, num_new, computed_blocks):
+                    break
+                num_next = 0
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             req.num_cached_prompt_tokens = num_hit
             self.running.append(req)
-            self._add_to_batch(out, req, num_new, 0, 0)
+            self._add_to_batch(out, req, num_new, [], num_next, plan.tree_depths.get(req.request_id, 0))
             budget -= num_new
 
     def _adapter_fits(self, req: Request) -> bool:
@@ -134,6 +159,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.spec_token_ids = []
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted_req_ids.append(req.request_id)
@@ -154,6 +180,7 @@ class Scheduler:
                 self.kv.cache_full_blocks(req)
                 num_emitted.append(0)
                 continue
+            drafts = result.draft_token_ids[i] if result.draft_token_ids else []
             accepted = result.num_accepted_tokens[i]
             if result.num_draft_tokens[i]:
                 req.num_drafts += 1
@@ -177,7 +204,10 @@ class Scheduler:
             if status is not None:
                 self.finish(req, status)
             else:
-                self.kv.truncate(req, req.num_tokens)
+                # the drafts are kept only while the worker's tokens are the request's: a stop
+                # finishes the request, so a kept run always is
+                req.spec_token_ids = list(drafts) if req.is_decoding else []
+                self.kv.truncate(req, req.num_tokens + len(req.spec_token_ids))
             updated.append(req)
         return updated, num_emitted
 

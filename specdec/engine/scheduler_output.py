@@ -26,8 +26,14 @@ class SchedulerOutput:
     request_ids: list[str] = field(default_factory=list)  # the batch, in order
     num_computed_tokens: list[int] = field(default_factory=list)  # per request: KV-cached tokens before this step
     num_scheduled_tokens: list[int] = field(default_factory=list)  # per request: prefill chunk or 1, no draft slots
-    num_spec_slots: list[int] = field(default_factory=list)  # per request: draft tokens it may verify
-    tree_depths: list[int] = field(default_factory=list)  # per request: planned tree depth (0: the proposer's)
+    # per request: the drafts it verifies this step, fed after its scheduled tokens (what the worker
+    # proposed at the end of the last step, or a prefix of it when slots ran out; a tree's nodes
+    # are in topological order, so any prefix keeps every kept node's ancestors)
+    spec_token_ids: list[list[int]] = field(default_factory=list)
+    # per request: drafts the worker may propose at the end of this step, for the next (their KV
+    # slots are reserved); 0 unless this step completes the request's prompt
+    num_spec_slots: list[int] = field(default_factory=list)
+    tree_depths: list[int] = field(default_factory=list)  # per request: those drafts' tree depth (0: the proposer's)
     num_output_tokens: list[int] = field(default_factory=list)  # per request, before this step
     block_ids: list[list[int]] = field(default_factory=list)  # per request: its KV blocks (target and draft caches)
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -36,7 +42,7 @@ class SchedulerOutput:
 
     @property
     def total_num_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens) + sum(self.num_spec_slots)
+        return sum(self.num_scheduled_tokens) + sum(len(d) for d in self.spec_token_ids)
 
     @property
     def is_empty(self) -> bool:

@@ -112,6 +112,11 @@ class AcceptanceEstimator:
         the planner, maximising over depths, picks whichever deep estimate noise made high."""
         return self.position_acceptances([request_id])[0].tolist()
 
+    def unseen_position_acceptance(self) -> np.ndarray:
+        """[max_positions] ``position_acceptance`` of a request with no evidence of its own: the
+        pooled profile."""
+        return self._pooled_posterior()[1:]
+
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 

@@ -44,6 +44,9 @@ class SpecController:
         self.explore_min_trials = 16
         self.explore_max_steps = 4
         self._num_explored = 0
+        self._new_k: int | None = None  # "auto": K of a new request's first drafts (``_new_request_k``)
+        self._new_k_age = 0
+        self.replan_new_every = 16
         if adaptive:
             from specdec.spec_decode.acceptance import AcceptanceEstimator
             from specdec.spec_decode.cost_model import StepCostModel
@@ -82,18 +85,39 @@ class SpecController:
         queue is empty), so the plan values the batch's completion."""
         if not self.adaptive:
             return SpeculationPlan({r.request_id: self.max_k for r in running
-                                    if r.sampling_params.use_speculation and r.is_decoding})
+                                    if r.sampling_params.use_speculation and r.is_decoding},
+                                   new_request_spec_tokens=self.max_k)
         plan = self._replan(running, closed_batch)
+        new_k = self._new_request_k(len(running))
         if not self.tree_slots:
-            return SpeculationPlan(plan)
+            return SpeculationPlan(plan, new_request_spec_tokens=new_k)
         depths = {rid: k for rid, k in plan.items() if k}
         budget = None
-        if depths:
+        if depths or new_k:  # new requests draft trees too, sized by the same budget
             base_rows = sum(r.num_tokens - r.num_computed_tokens for r in running)
-            max_nodes = self.tree_slots * len(depths)
+            max_nodes = self.tree_slots * max(1, len(running))
             budget = TreeBudget(base_rows, self.tree_calibration,
                                 self.cost.costs("target", base_rows + np.arange(max_nodes + 1)))
-        return SpeculationPlan(dict.fromkeys(depths, self.tree_slots), depths, budget)
+        return SpeculationPlan(dict.fromkeys(depths, self.tree_slots), depths, budget,
+                               new_request_spec_tokens=self.tree_slots if new_k else 0)
+
+    def _new_request_k(self, num_running: int) -> int:
+        """K for the first drafts of a request whose prompt completes this step (not in the plan:
+        it was prefilling, or is admitted now): the choice for an unseen request, one that reads
+        the pooled acceptance, decoding beside the running ones; refreshed every
+        ``replan_new_every`` plans (it moves only as the pooled estimate does)."""
+        if self._new_k is not None and self._new_k_age < self.replan_new_every:
+            self._new_k_age += 1
+            return self._new_k
+        from specdec.spec_decode.adaptive import choose_num_spec_tokens
+
+        alphas = self.acceptance.unseen_position_acceptance()[None]
+        k = choose_num_spec_tokens(alphas, self.max_k, self.cost, num_other_tokens=num_running,
+                                   draft_per_token=self.draft_is_model)[0]
+        if not k and self._should_explore():
+            k = self.max_k
+        self._new_k, self._new_k_age = k, 0
+        return k
 
     def remaining_budget(self, req: Request) -> int:
         """Tokens ``req`` may still generate: max_tokens, and the context limit."""
@@ -174,22 +198,23 @@ class SpecController:
     def _observe_costs(self, record: StepRecord) -> None:
         sched, result = record.scheduled, record.result
         drafted = result.num_draft_tokens
-        num_drafting = sum(1 for n in drafted if n)
+        verified_drafts = sum(1 for n in drafted if n)
         # the rows the target really ran: a proposer may fill fewer draft slots than were reserved
         # (suffix / n-gram with no match), and pricing the reserved count would make big steps look cheap
         num_rows = sum(sched.num_scheduled_tokens) + sum(drafted)
-        if not num_drafting and num_rows == len(sched.request_ids):
+        if not verified_drafts and num_rows == len(sched.request_ids):
             # plain decode steps repeat one shape: a sample of them keeps that knot current
             self._num_plain_steps += 1
             if self._num_plain_steps % self.observe_plain_every:
                 return
         self.cost.observe("target", num_rows, result.target_seconds)
-        # a first pass that caught up on a whole prompt (the step after a prefill) costs many passes:
-        # read as the price of every pass it would say drafting never pays, and with nothing drafted
-        # no later step would correct it
-        if num_drafting and self.draft_is_model and result.num_draft_first_pass_rows <= 2 * num_drafting:
-            steps = max(result.num_draft_positions)  # draft passes: K, or a tree's depth
-            self.cost.observe("draft", num_drafting, result.draft_seconds / steps)
+        # the step's proposal (the next step's drafts): a first pass that caught up on a whole prompt
+        # (the step that computed it) costs many passes: read as the price of every pass it would say
+        # drafting never pays, and with nothing drafted no later step would correct it
+        num_drafting = sum(1 for d in result.draft_token_ids if d)
+        if (num_drafting and self.draft_is_model and result.num_draft_passes
+                and result.num_draft_first_pass_rows <= 2 * num_drafting):
+            self.cost.observe("draft", num_drafting, result.draft_seconds / result.num_draft_passes)
 
     def _observe_outcome(self, record: StepRecord) -> None:
         """A whole step's tokens and wall time, for the throughput guard (pure decode/verify steps only)."""

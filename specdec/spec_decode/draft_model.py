@@ -1,11 +1,11 @@
 """Draft-model proposer: a small model with its own paged KV cache drafts K tokens per request.
 
 The draft cache has as many blocks as the target's and uses the same block ids, so the
-target's block table addresses both. ``state.num_draft_computed_tokens`` counts the
-tokens whose draft KV is valid; after verification it is clipped to the target's
-``num_computed_tokens`` (positions past it held rejected drafts), and the first pass of the
-next proposal catches up on whatever the draft has not seen (accepted and bonus tokens,
-a prompt, or everything after a preemption) in one ragged forward.
+target's block table addresses both. A proposal runs right after a step's verification.
+``state.num_draft_computed_tokens`` counts the tokens whose draft KV is valid; it is clipped
+to the target's ``num_computed_tokens`` (positions past it held rejected drafts), and the
+first pass catches up on whatever the draft has not seen (accepted and bonus tokens, a
+prompt, or everything after a preemption) in one ragged forward.
 
 With ``tree_topk`` > 1 the proposal is a token tree (``specdec.spec_decode.tree``), grown as in
 EAGLE-2: the first pass's top-k tokens are the root's children; each further pass feeds the
@@ -26,8 +26,7 @@ import torch
 
 from specdec.layers.sampler import SamplingMetadata, processed_probs, sample_from_probs
 from specdec.spec_decode.plan import TreeBudget
-from specdec.spec_decode.proposer import DraftProposal, Proposer
-from specdec.structured_output.masking import end_drafting, mask_draft_logits
+from specdec.spec_decode.proposer import DraftProposal, Proposer, TargetStates
 from specdec.worker.model_runner import ModelRunner
 from specdec.worker.request_state import CachedRequestState
 
@@ -48,8 +47,8 @@ class DraftModelProposer(Proposer):
         self.tree_nodes = tree_nodes
 
     def _forward(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits [N, target vocab], the pass's hidden states [T, H])."""
-        logits, hidden = self.runner.forward_with_hidden(batch)
+        """(logits [N, target vocab], the pass's hidden states [T, H]: read by EAGLE's next pass only)."""
+        logits, hidden = self.runner.forward_with_hidden(batch, need_hidden=self.needs_target_hidden)
         if self.draft_vocab is not None:  # -inf outside the draft vocabulary: never drafted, q = 0 there
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             return full.index_copy_(1, self.draft_vocab, logits), hidden
@@ -62,7 +61,8 @@ class DraftModelProposer(Proposer):
         return logits, hidden
 
     def propose(self, requests: list[CachedRequestState], num_spec: list[int],
-                tree_budget: TreeBudget | None = None) -> DraftProposal:
+                tree_budget: TreeBudget | None = None, grammar=None, target: TargetStates | None = None
+                ) -> DraftProposal:
         active = [i for i, k in enumerate(num_spec) if k > 0]
         drafts: list[list[int]] = [[] for _ in requests]
         if not active:
@@ -70,7 +70,7 @@ class DraftModelProposer(Proposer):
         reqs = [requests[i] for i in active]
         ks = [num_spec[i] for i in active]
         if self.tree_topk > 1:
-            return self._propose_tree(requests, active, ks, tree_budget)
+            return self._propose_tree(requests, active, ks, tree_budget, grammar)
         meta = SamplingMetadata.from_params(
             [r.sampling_params for r in reqs], [r.generator for r in reqs], self.runner.device
         )
@@ -78,7 +78,9 @@ class DraftModelProposer(Proposer):
         batch = self._first_batch(reqs, block_tables)
         first_pass_rows = len(batch.input_ids)
         probs_per_pass, tokens_per_pass = [], []
-        constrained = any(r.grammar is not None for r in reqs)
+        cursors = grammar.draft_cursors(reqs) if grammar is not None else [None] * len(reqs)
+        constrained = any(c is not None for c in cursors)
+        greedy = [r.sampling_params.is_greedy for r in reqs]
         rows = list(range(len(reqs)))  # which requests are still drafting
         predicted = None  # [len(rows), H] hidden states of the last pass's drafting rows
         for step in range(max(ks)):
@@ -89,7 +91,7 @@ class DraftModelProposer(Proposer):
             logits, hidden = self._forward(batch)  # [len(rows), V]
             predicted = self._pass_hidden(batch, hidden)
             if constrained:
-                mask_draft_logits(logits, [reqs[j] for j in rows], [drafts[active[j]] for j in rows])
+                grammar.mask_draft_rows(logits, [cursors[j] for j in rows], [greedy[j] for j in rows])
             sub = meta if len(rows) == len(reqs) else meta.expand([int(j in rows) for j in range(len(reqs))])
             if sub.all_greedy:
                 q, tok = None, logits.argmax(dim=-1)
@@ -106,14 +108,15 @@ class DraftModelProposer(Proposer):
                 drafts[active[j]].append(t)
             tokens_per_pass.append(full)
             probs_per_pass.append((rows, q))
+            if constrained and step + 1 < max(ks):
+                grammar.advance([cursors[j] for j in rows], tok_list)
         self._finish(reqs, ks)
-        end_drafting(reqs)
         return DraftProposal(drafts, self._flat_probs(probs_per_pass, ks, active, len(requests), meta),
                              num_first_pass_rows=first_pass_rows)
 
     # ---- token trees ----
     def _propose_tree(self, requests: list[CachedRequestState], active: list[int], slots: list[int],
-                      tree_budget: TreeBudget | None) -> DraftProposal:
+                      tree_budget: TreeBudget | None, grammar=None) -> DraftProposal:
         """Per active request a tree of at most ``tree_nodes`` (and ``slots``) nodes, depth at most
         ``tree_depth`` and the tokens the request may still emit."""
         started = time.perf_counter()
@@ -132,11 +135,13 @@ class DraftModelProposer(Proposer):
         depth_cap = [max(1, min(r.spec_depth or self.tree_depth, self.tree_depth, s)) for r, s in zip(reqs, slots)]
         max_depth = max(depth_cap)
         parent_rows = [(j, -1) for j in range(len(reqs))]  # (request, node) behind each row of the last pass
-        constrained = any(r.grammar is not None for r in reqs)
+        constrained = grammar is not None and any(r.grammar is not None for r in reqs)
+        if constrained:  # one cursor per node, forked from its parent's (-1: the root's)
+            for t, cur in zip(trees, grammar.draft_cursors(reqs)):
+                t.cursors[-1] = cur
         for depth in range(1, max_depth + 1):
             if constrained:
-                mask_draft_logits(logits, [reqs[j] for j, _ in parent_rows],
-                                  [trees[j].path_tokens(n) for j, n in parent_rows], tree=True)
+                grammar.mask_draft_rows(logits, [trees[j].cursor(n, grammar) for j, n in parent_rows])
             top_lp, top_tok = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)
             for (j, node), lps, toks in zip(parent_rows, top_lp.tolist(), top_tok.tolist()):
                 trees[j].add_children(node, toks, lps, depth)
@@ -167,18 +172,20 @@ class DraftModelProposer(Proposer):
             for row, (j, n) in enumerate(parent_rows):
                 trees[j].row_of[n] = row
         self._finish_tree(reqs)
-        end_drafting(reqs)
         limits = [min(self.tree_nodes, s) for s in slots]
         expected = None
         if tree_budget is not None:
             gains = [t.gains(limit) for t, limit in zip(trees, limits)]
             limits = tree_budget.choose_num_nodes(gains, time.perf_counter() - started)
-            expected = sum(sum(g[:n]) for g, n in zip(gains, limits))
+            expected = [0.0] * len(requests)
+            for i, g, n in zip(active, gains, limits):
+                expected[i] = sum(g[:n])
         drafts: list[list[int]] = [[] for _ in requests]
         parents: list[list[int]] = [[] for _ in requests]
         for i, t, limit in zip(active, trees, limits):
             drafts[i], parents[i] = t.select(limit)
-        return DraftProposal(drafts, None, parents, expected, first_pass_rows)
+        return DraftProposal(drafts, None, parents, None if expected is None else sum(expected), first_pass_rows,
+                             expected)
 
     def _pass_hidden(self, batch, hidden: torch.Tensor | None) -> torch.Tensor | None:
         """What the next pass needs from this one's drafting rows (EAGLE: predicted features)."""
@@ -238,6 +245,7 @@ class _GrowingTree:
         self.fed: list[int] = []  # nodes in the order they were written to draft slots
         self.slot: dict[int, int] = {}  # node -> its draft slot (offset from base)
         self.row_of: dict[int, int] = {}  # node -> its row in the pass that fed it
+        self.cursors: dict = {}  # node -> its grammar cursor (structured output; -1: the root)
 
     @property
     def num_fed(self) -> int:
@@ -253,13 +261,12 @@ class _GrowingTree:
             self.depths.append(depth)
             self.scores.append(score + lp)
 
-    def path_tokens(self, node: int) -> list[int]:
-        """The tokens from the root's child down to ``node`` ([] for the root, -1)."""
-        out = []
-        while node >= 0:
-            out.append(self.tokens[node])
-            node = self.parents[node]
-        return out[::-1]
+    def cursor(self, node: int, grammar):
+        """The grammar cursor after ``node``'s path, forked from its parent's on first use."""
+        cur = self.cursors.get(node)
+        if cur is None and node not in self.cursors:
+            cur = self.cursors[node] = grammar.child(self.cursor(self.parents[node], grammar), self.tokens[node])
+        return cur
 
     def frontier(self, depth: int, width: int) -> list[int]:
         """The ``width`` best-scoring nodes of ``depth`` (to be fed, to grow their children)."""

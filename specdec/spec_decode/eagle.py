@@ -1,10 +1,12 @@
 """EAGLE proposer: the draft-model loop, fed the target's hidden states (``models/eagle.py``).
 
-Head row p reads (f_p, token p + 1). After each target step the worker hands over the hidden
-states of the rows the target kept (``observe_target``); a proposal's first pass catches the
-head up on those real features (positions [head_computed, num_computed_tokens)), its last row
-predicting f at the newest token's position and so draft 1; pass s feeds (predicted f, draft s)
-at position num_computed_tokens + s - 1. Positions at and past num_computed_tokens hold
+Head row p reads (f_p, token p + 1). A proposal runs right after the target's verification,
+from that step's hidden states (``TargetStates``): nothing is kept across steps. Its first pass
+catches the head up on the rows the target kept this step (positions [head_computed,
+num_computed_tokens)), its last row reading the newest token and so predicting draft 1; pass s
+feeds (predicted f, draft s) at position num_computed_tokens + s - 1. Requests that draft
+nothing this step (K = 0, a prefill chunk) still catch up in the first pass, without logits, so
+the head's KV never misses a position. Positions at and past num_computed_tokens hold
 predicted-feature KV afterwards, so ``num_draft_computed_tokens`` is set to num_computed_tokens
 and the next catch-up overwrites them with real features. Losslessness does not depend on any
 of this: the drafts go through the same rejection sampler as any other.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from specdec.spec_decode.draft_model import DraftModelProposer
+from specdec.spec_decode.proposer import DraftProposal, TargetStates
 from specdec.worker.request_state import CachedRequestState
 
 
@@ -24,62 +27,60 @@ class EagleProposer(DraftModelProposer):
 
     def __init__(self, runner, target_vocab_size: int, **tree):
         super().__init__(runner, target_vocab_size, **tree)
-        self.features: dict[str, tuple[int, list[torch.Tensor]]] = {}  # request -> (first position, rows)
+        self._target: TargetStates | None = None  # during a proposal: the step's target states
+        self._index: dict[str, int] = {}  # during a proposal: request id -> its index in ``_target``
+        self._followers: list[CachedRequestState] = []  # during a proposal: requests that only catch up
 
-    # ---- features from the target ----
-    def observe_target(self, requests: list[CachedRequestState], starts: list[int], offsets: list[int],
-                       num_kept: list[int], hidden: torch.Tensor) -> None:
-        """Store the kept rows' features per request; rows past what the target kept are dropped."""
-        if hidden is None:
-            raise RuntimeError("the EAGLE proposer needs the target's hidden states (run the target eagerly)")
-        hidden = self._target_features(hidden)
-        for req, start, off, kept in zip(requests, starts, offsets, num_kept):
-            if not req.sampling_params.use_speculation:
-                continue
-            if kept <= 0:
-                continue
-            rows = hidden[off:off + kept].clone()
-            first, chunks = self.features.get(req.request_id, (start, []))
-            end = first + sum(len(c) for c in chunks)
-            if chunks and end == start:
-                chunks.append(rows)
-            else:  # first rows, or a recomputation after preemption: start over from here
-                first, chunks = start, [rows]
-                req.num_draft_computed_tokens = min(req.num_draft_computed_tokens, start)
-            self.features[req.request_id] = (first, chunks)
+    def propose(self, requests: list[CachedRequestState], num_spec: list[int], tree_budget=None, grammar=None,
+                target: TargetStates | None = None) -> DraftProposal:
+        if target is None:
+            raise ValueError("the EAGLE proposer drafts from the target's hidden states of the step: pass target=")
+        self._target = target
+        self._index = {r.request_id: i for i, r in enumerate(requests)}
+        self._followers = [r for r, k, kept in zip(requests, num_spec, target.num_kept)
+                           if not k and kept > 0 and r.sampling_params.use_speculation]
+        try:
+            if any(num_spec):
+                proposal = super().propose(requests, num_spec, tree_budget, grammar)
+            else:
+                proposal = DraftProposal.empty(len(requests))
+                if self._followers:
+                    batch = self._first_batch([], [])
+                    self._forward(batch)
+                    proposal.num_first_pass_rows = len(batch.input_ids)
+            for r in self._followers:
+                r.num_draft_computed_tokens = r.num_computed_tokens
+        finally:
+            self._target, self._index, self._followers = None, {}, []
+        return proposal
 
     def _target_features(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the head's rows read from the target's exported rows (EAGLE: the final hidden states as they are)."""
         return hidden
 
-    def on_request_finished(self, request: CachedRequestState) -> None:
-        self.features.pop(request.request_id, None)
-
-    def reset_history(self) -> None:
-        self.features.clear()
-
     # ---- the passes ----
     def _first_batch(self, reqs: list[CachedRequestState], block_tables):
-        feeds, starts, feats = [], [], []
-        for r in reqs:
-            c = r.num_computed_tokens
-            first, chunks = self.features.pop(r.request_id, (c, []))
-            # positions before ``first`` were never fed here in this life of the request: their head
-            # KV came with prefix-cached blocks (written by whichever request computed them)
+        """The drafting requests' catch-up rows (the last one of each wants logits), then the
+        followers' (no logits)."""
+        target = self._target
+        feeds, starts, rows, logit_rows = [], [], [], []
+        everyone = list(reqs) + self._followers
+        for j, r in enumerate(everyone):
+            i = self._index[r.request_id]
+            first, offset, c = target.starts[i], target.offsets[i], r.num_computed_tokens
+            # positions before ``first`` were not fed this step: their head KV is from earlier steps
+            # or came with prefix-cached blocks (written by whichever request computed them)
             hc = max(min(r.num_draft_computed_tokens, c), first)
-            stored = torch.cat(chunks) if chunks else None
-            if stored is None or hc >= c or first + len(stored) < c:
-                # nothing new to read (cannot happen in the engine's step order): draft from the
-                # newest token with an empty feature; the drafts are only worse, never wrong
-                feeds.append([r.all_token_ids[c]])
-                starts.append(c - 1)
-                feats.append(torch.zeros(1, self._hidden_size(), dtype=self.runner.dtype, device=self.runner.device))
-                continue
+            if hc >= c:
+                raise RuntimeError(f"request {r.request_id}: the target kept no rows this step to draft from")
             feeds.append(r.all_token_ids[hc + 1:c + 1])
             starts.append(hc)
-            feats.append(stored[hc - first:c - first])
-        batch = self.runner.prepare(feeds, starts, block_tables, [[len(f) - 1] for f in feeds])
-        batch.features = torch.cat(feats).to(self.runner.dtype)
+            rows.extend(range(offset + hc - first, offset + c - first))
+            logit_rows.append([c - hc - 1] if j < len(reqs) else [])
+        tables = list(block_tables) + [r.block_ids for r in self._followers]
+        batch = self.runner.prepare(feeds, starts, tables, logit_rows)
+        index = torch.tensor(rows, dtype=torch.int64, device=target.hidden.device)
+        batch.features = self._target_features(target.hidden.index_select(0, index)).to(self.runner.dtype)
         return batch
 
     def _next_batch(self, reqs, rows, prev_rows, tokens, step: int, block_tables, predicted=None):
@@ -99,6 +100,3 @@ class EagleProposer(DraftModelProposer):
     def _finish(self, reqs: list[CachedRequestState], ks: list[int]) -> None:
         for r in reqs:
             r.num_draft_computed_tokens = r.num_computed_tokens
-
-    def _hidden_size(self) -> int:
-        return self.runner.model.config.hidden_size

@@ -1,8 +1,7 @@
 """EAGLE-3 proposer: the EAGLE proposer's passes (``eagle.py``) over an EAGLE-3 head
 (``models/eagle3.py``). The target's runner exports the inputs of the head's auxiliary layers
-[T, n * H_t] instead of its final hidden states; they are projected through the head's ``fc`` once
-per step, as they arrive, so what is stored per request and fed to the head is [rows, H] as for
-EAGLE. The head's logits cover its draft vocabulary only (-inf elsewhere), so drafts never leave it.
+[T, n * H_t] instead of its final hidden states; the rows the head catches up on are projected
+through the head's ``fc`` once, so what the head is fed is [rows, H] as for EAGLE. The head's logits cover its draft vocabulary only (-inf elsewhere), so drafts never leave it.
 """
 from __future__ import annotations
 

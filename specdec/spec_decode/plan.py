@@ -34,8 +34,11 @@ class TreeBudget:
 
 @dataclass
 class SpeculationPlan:
-    """Per running request, the draft tokens it may verify this step (absent or 0: decode
-    normally) and, for adaptive trees, the tree depth planned."""
+    """Per running request, the draft tokens the worker may propose for it at the end of this
+    step, to be verified in the next (absent or 0: none) and, for adaptive trees, the tree depth
+    planned. A request absent from ``num_spec_tokens`` whose prompt this step completes (a new
+    one) gets ``new_request_spec_tokens``."""
     num_spec_tokens: dict[str, int] = field(default_factory=dict)
     tree_depths: dict[str, int] = field(default_factory=dict)
     tree_budget: TreeBudget | None = None
+    new_request_spec_tokens: int = 0

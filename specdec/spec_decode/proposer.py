@@ -23,6 +23,7 @@ class DraftProposal:
     # rows of the draft's first pass (its catch-up on tokens it has not seen: 1-2 per request in
     # steady decoding, a whole prompt after a prefill); 0 for proposers without a model
     num_first_pass_rows: int = 0
+    expected_by_request: list[float] | None = None  # adaptive trees: ``expected_accepted`` per request
 
     @classmethod
     def empty(cls, num_requests: int) -> DraftProposal:
@@ -69,7 +70,8 @@ class DraftProposal:
         probs = self.draft_probs
         if probs is not None:
             probs = probs.index_select(0, torch.tensor(prob_rows, dtype=torch.int64, device=probs.device))
-        return DraftProposal(tokens, probs, parents, self.expected_accepted, self.num_first_pass_rows)
+        return DraftProposal(tokens, probs, parents, self.expected_accepted, self.num_first_pass_rows,
+                             self.expected_by_request)
 
     def row_histories(self, i: int) -> list[list[int]]:
         """Request i's verification rows (1 + its drafts): the drafts before each scored position."""
@@ -81,22 +83,35 @@ class DraftProposal:
         return row_histories(drafts, self.draft_parents[i])
 
 
+@dataclass
+class TargetStates:
+    """The target's states of the step just verified, for proposers that draft from them (EAGLE).
+    Request i fed rows ``offsets[i]``... from position ``starts[i]`` and kept the first
+    ``num_kept[i]`` of them (its scheduled tokens and accepted drafts; an accepted tree path
+    already moved to consecutive rows)."""
+    hidden: torch.Tensor  # [T, H] final hidden states of every fed row (EAGLE-3: [T, n * H_t] aux layer inputs)
+    starts: list[int]
+    offsets: list[int]
+    num_kept: list[int]
+
+
 class Proposer(ABC):
+    """Proposes the next step's drafts right after a step's verification: each request's
+    ``num_computed_tokens`` then covers what the target kept, and its newest token (the one
+    the target just decided) is the only one without target KV."""
     name: str = "proposer"
     has_draft_model: bool = False  # True when drafting costs a model forward per token
-    needs_target_hidden: bool = False  # True: the worker calls observe_target after every step
+    needs_target_hidden: bool = False  # True: ``propose`` needs the step's ``TargetStates``, every step
 
     @abstractmethod
     def propose(self, requests: list[CachedRequestState], num_spec: list[int],
-                tree_budget: TreeBudget | None = None) -> DraftProposal:
+                tree_budget: TreeBudget | None = None, grammar=None, target: TargetStates | None = None
+                ) -> DraftProposal:
         """Up to ``num_spec[i]`` draft tokens for each request (0 => none); ``tree_budget``
-        prices verification rows for proposers that size their trees by it."""
-
-    def observe_target(self, requests: list[CachedRequestState], starts: list[int], offsets: list[int],
-                       num_kept: list[int], hidden: torch.Tensor) -> None:
-        """hidden [T, H]: the target's final hidden states of the step just verified; request i
-        fed rows offsets[i]... from position starts[i] and keeps the first num_kept[i] of them
-        (EAGLE drafts from them)."""
+        prices verification rows for proposers that size their trees by it; ``grammar`` (the
+        worker's ``StructuredOutputStage``) masks the draft rows of constrained requests, for
+        proposers that sample from a distribution (the others' drafts are pruned after);
+        ``target``: the step's target states (only for ``needs_target_hidden``)."""
 
     def on_request_finished(self, request: CachedRequestState) -> None:
         """Called once when a request ends (the suffix proposer learns from it)."""
@@ -113,7 +128,10 @@ class TokenListProposer(Proposer):
         self.name = name
 
     def propose(self, requests: list[CachedRequestState], num_spec: list[int],
-                tree_budget: TreeBudget | None = None) -> DraftProposal:
+                tree_budget: TreeBudget | None = None, grammar=None, target: TargetStates | None = None
+                ) -> DraftProposal:
+        if not any(num_spec):
+            return DraftProposal.empty(len(requests))
         drafts = self.impl.propose([r.all_token_ids for r in requests], num_spec, [r.request_id for r in requests])
         return DraftProposal([list(d)[:k] for d, k in zip(drafts, num_spec)], None)
 

@@ -2,9 +2,9 @@
 
 A reasoning model writes its thinking first (``<think> ... </think>``); an output constraint
 (a JSON schema, a tool-call grammar) is meant for the answer after it. The wrapper has
-``GrammarState``'s interface and is a function of the tokens alone, so every mask the
-worker asks for (a verification row after a drafted prefix, a draft model's row, a tree
-node) is the one plain decoding would use at that position, and speculation stays lossless
+``GrammarState``'s interface (its cursors ``GrammarCursor``'s) and is a function of the tokens
+alone, so every mask the worker asks for (a verification row after a drafted prefix, a draft
+model's row, a tree node) is the one plain decoding would use at that position, and speculation stays lossless
 across the switch:
 
 - *reasoning*: every token is allowed, until the tokens of ``reasoning_end_token_ids`` have
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.structured_output.grammar_state import GrammarState, _bit
+from specdec.structured_output.grammar_state import GrammarCursor, GrammarState, _bit
 from specdec.structured_output.params import StructuredOutputsParams
 
 UNDECIDED, REASONING, ANSWER = "undecided", "reasoning", "answer"
@@ -52,6 +52,9 @@ def gated_state(params: StructuredOutputsParams, state: GrammarState):
 
 
 class ReasoningGrammarState:
+    """The committed state: the phase after the committed output, and the inner grammar, which
+    only ever receives the answer's tokens."""
+
     def __init__(self, inner: GrammarState, end_token_ids: tuple[int, ...], start_token_id: int | None = None):
         self.inner = inner
         self.vocab_size = inner.vocab_size
@@ -61,76 +64,102 @@ class ReasoningGrammarState:
         # committed output: its phase, and its last tokens (a partial end sequence) while reasoning
         self.phase = UNDECIDED if start_token_id is not None else REASONING
         self.tail: tuple[int, ...] = ()
-        self.path: list[int] = []  # trial tokens accepted on top of the committed output
-        self.path_phase = self.phase
 
     allocate = staticmethod(GrammarState.allocate)
 
-    def _advance(self, tokens: list[int]) -> tuple[str, tuple[int, ...], int | None]:
-        """(phase, tail) after the committed output + ``tokens``, and the index of ``tokens`` at
-        which the inner grammar starts (None while the answer has not begun)."""
-        phase, tail, keep = self.phase, self.tail, len(self.end_token_ids) - 1
-        if phase == ANSWER:
-            return ANSWER, (), 0
-        for i, t in enumerate(tokens):
-            if phase == UNDECIDED:
-                if t != self.start_token_id:
-                    return ANSWER, (), i
-                phase = REASONING
-                continue
-            tail = (*tail, t)
-            if tail[-len(self.end_token_ids):] == self.end_token_ids:
-                return ANSWER, (), i + 1
-            tail = tail[len(tail) - keep:] if keep else ()
-        return phase, tail, None
-
     # ---- committed tokens ----
     def commit(self, tokens: list[int]) -> int:
-        self.goto([])
-        phase, tail, start = self._advance(tokens)
-        self.phase, self.tail = phase, tail
-        self.path_phase = phase
-        if start is None:
-            return len(tokens)
-        return start + self.inner.commit(tokens[start:])
+        """Accept decided tokens for good; returns how many were taken."""
+        cur = self.cursor()
+        for n, t in enumerate(tokens):
+            if not cur.advance(t):
+                tokens = tokens[:n]
+                break
+        if cur.phase == ANSWER and self.phase != ANSWER:  # the answer began inside these tokens
+            start = len(tokens) - cur.inner.num_accepted
+            self.inner.commit(tokens[start:])
+        elif cur.phase == ANSWER:
+            self.inner.commit(tokens)
+        self.phase, self.tail = cur.phase, cur.tail
+        return len(tokens)
 
     @property
     def is_terminated(self) -> bool:
-        return self.phase == ANSWER and not self.path and self.inner.is_terminated
+        return self.phase == ANSWER and self.inner.is_terminated
 
     # ---- trial paths ----
-    def goto(self, path: list[int]) -> int:
-        phase, _, start = self._advance(path)
-        if start is None:
-            self.inner.goto([])
-            self.path, self.path_phase = list(path), phase
-            return len(path)
-        accepted = start + self.inner.goto(path[start:])
-        self.path = list(path[:accepted])
-        # a first token the undecided grammar refused leaves the position undecided
-        self.path_phase = self.phase if accepted == 0 else ANSWER
-        return accepted
+    def cursor(self) -> ReasoningCursor:
+        """A private cursor at the committed output."""
+        inner = self.inner.cursor() if self.phase == ANSWER else None
+        return ReasoningCursor(self, self.phase, self.tail, inner)
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        if self.path_phase == REASONING:
-            bitmask[row].fill_(-1)  # every token
-            return
-        self.inner.fill(bitmask, row)
-        if self.path_phase == UNDECIDED and self.start_token_id < self.vocab_size:
-            bitmask[row, self.start_token_id // 32] |= _bit(self.start_token_id % 32)
-
-    def fill_eos(self, bitmask: torch.Tensor, row: int) -> None:
-        self.inner.fill_eos(bitmask, row)
-
-    def path_masks(self, paths: list[list[int]], bitmask: torch.Tensor, first_row: int = 0) -> list[int]:
-        accepted = []
-        for r, path in enumerate(paths):
-            accepted.append(self.goto(path))
-            self.fill(bitmask, first_row + r)
-        self.goto([])
-        return accepted
+    def path_cursors(self, paths: list[list[int]]) -> list[ReasoningCursor]:
+        """One cursor per path, each after the longest prefix of its path that is accepted."""
+        out = []
+        for path in paths:
+            cur = self.cursor()
+            for t in path:
+                if not cur.advance(t):
+                    break
+            out.append(cur)
+        return out
 
     def forced_token(self, scratch: torch.Tensor) -> int | None:
-        if self.phase != ANSWER or self.path:
+        if self.phase != ANSWER:
             return None
         return self.inner.forced_token(scratch)
+
+
+class ReasoningCursor:
+    """A trial position: the phase and partial end sequence after the committed output plus
+    ``num_accepted`` tokens, and from the answer on a cursor of the inner grammar."""
+
+    def __init__(self, state: ReasoningGrammarState, phase: str, tail: tuple[int, ...], inner: GrammarCursor | None,
+                 num_accepted: int = 0):
+        self.state = state
+        self.phase, self.tail, self.inner = phase, tail, inner
+        self.num_accepted = num_accepted
+        self.vocab_size = state.vocab_size
+        self.eos_token_ids = state.eos_token_ids
+
+    def advance(self, token: int) -> bool:
+        """Accept ``token`` on trial; False (the cursor unmoved) if it is refused."""
+        state = self.state
+        if self.phase == ANSWER:
+            ok = self.inner.advance(token)
+        elif self.phase == UNDECIDED and token == state.start_token_id:
+            self.phase, ok = REASONING, True
+        elif self.phase == UNDECIDED:  # answering at once: the grammar from this token
+            inner = state.inner.cursor()
+            ok = inner.advance(token)
+            if ok:
+                self.phase, self.inner = ANSWER, inner
+        else:
+            ends = state.end_token_ids
+            tail = (*self.tail, token)
+            if tail[-len(ends):] == ends:
+                self.phase, self.tail, self.inner = ANSWER, (), state.inner.cursor()
+            else:
+                keep = len(ends) - 1
+                self.tail = tail[len(tail) - keep:] if keep else ()
+            ok = True
+        self.num_accepted += ok
+        return ok
+
+    def fork(self) -> ReasoningCursor:
+        inner = self.inner.fork() if self.inner is not None else None
+        return ReasoningCursor(self.state, self.phase, self.tail, inner, self.num_accepted)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row ``row``: every token while reasoning; the grammar's tokens (and the opening token
+        while undecided) otherwise."""
+        if self.phase == REASONING:
+            bitmask[row].fill_(-1)
+            return
+        (self.inner or self.state.inner.cursor()).fill(bitmask, row)
+        start = self.state.start_token_id
+        if self.phase == UNDECIDED and start < self.vocab_size:
+            bitmask[row, start // 32] |= _bit(start % 32)
+
+    def fill_eos(self, bitmask: torch.Tensor, row: int) -> None:
+        (self.inner or self.state.inner.cursor()).fill_eos(bitmask, row)

@@ -108,22 +108,28 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [N, V] float32
         """Logits of the batch's ``logits_indices`` rows. With ``reuse_logits`` (the worker's target
         runner) they live in a buffer the next forward overwrites: clone what must outlive it."""
-        return self.forward_with_hidden(batch)[0]
+        return self.forward_with_hidden(batch, need_hidden=False)[0]
 
     @torch.inference_mode()
-    def forward_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_with_hidden(self, batch: ForwardBatch, need_hidden: bool = True
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits [N, V] float32 as ``forward``, the states a proposer reads of every fed row: the
-        final hidden states [T, H], or with ``aux_layers`` those layers' inputs [T, n * H]); a
-        replayed graph returns logits only (None: EAGLE runs its target eagerly)."""
+        final hidden states [T, H], or with ``aux_layers`` those layers' inputs [T, n * H]). A
+        replayed per-batch-size graph returns them too (views of its buffers, valid until its next
+        replay); a tree graph returns logits only, so with ``need_hidden`` a tree step runs eagerly
+        (without, the states are None)."""
         graph = self._graph_for(batch)
         if graph is not None and graph is self.tree_graph:
-            return graph.run(batch.input_ids, batch.positions, batch.attn, batch.logits_indices), None
+            if not need_hidden:
+                return graph.run(batch.input_ids, batch.positions, batch.attn, batch.logits_indices), None
+            graph = None
         if graph is not None:
             meta = batch.attn
-            logits = graph.run(meta.num_reqs, num_output_rows=len(batch.input_ids), input_ids=batch.input_ids,
-                               positions=batch.positions, slot_mapping=meta.slot_mapping, seq_lens=meta.seq_lens,
-                               block_tables=meta.block_tables)
-            return logits[batch.logits_indices], None  # a copy: the graph's buffer is reused by the next replay
+            logits, exported = graph.run(meta.num_reqs, num_output_rows=len(batch.input_ids),
+                                         input_ids=batch.input_ids, positions=batch.positions,
+                                         slot_mapping=meta.slot_mapping, seq_lens=meta.seq_lens,
+                                         block_tables=meta.block_tables)
+            return logits[batch.logits_indices], exported  # logits copied: the next replay reuses the buffer
         exported = None
         if batch.features is not None:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, features=batch.features)
@@ -203,14 +209,19 @@ class ModelRunner:
                 "slot_mapping": zeros(batch_size * q) - 1, "seq_lens": zeros(batch_size) + q,
                 "block_tables": zeros(batch_size, self.graph_max_blocks)}
 
-    def _graph_forward(self, q: int, input_ids, positions, slot_mapping, seq_lens, block_tables) -> torch.Tensor:
+    def _graph_forward(self, q: int, input_ids, positions, slot_mapping, seq_lens, block_tables
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         batch_size = seq_lens.shape[0]
         qsl = list(range(0, (batch_size + 1) * q, q))
         attn = AttentionMetadata(
             query_start_loc=torch.arange(0, (batch_size + 1) * q, q, device=self.device), seq_lens=seq_lens,
             block_tables=block_tables, slot_mapping=slot_mapping, query_start_loc_cpu=qsl,
             seq_lens_cpu=[self.graph_max_blocks * self.block_size] * batch_size, block_size=self.block_size)
-        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, attn))
+        if self.aux_layers:
+            hidden, exported = self.model(input_ids, positions, self.kv_caches, attn, aux_layers=self.aux_layers)
+        else:
+            hidden = exported = self.model(input_ids, positions, self.kv_caches, attn)
+        return self.model.compute_logits(hidden), exported  # ([T, V], what a proposer reads [T, ...])
 
     def _graph_for(self, batch: ForwardBatch):
         meta = batch.attn

@@ -1,5 +1,6 @@
-"""What a worker returns for one step: per scheduled request, the tokens the target decided
-and the acceptance counts, plus the step's timings. Picklable, no tensors."""
+"""What a worker returns for one step: per scheduled request, the tokens the target decided,
+the acceptance counts and the drafts it proposed for the next step, plus the step's timings.
+Picklable, no tensors: the draft distributions q stay on the worker, keyed by request."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,6 +12,9 @@ class ModelRunnerOutput:
     # per request: accepted drafts, then the target's own token (recovered or bonus); [] for a
     # prefill chunk that does not complete its prompt
     sampled_token_ids: list[list[int]] = field(default_factory=list)
+    # per request: drafts proposed right after this step's verification, to verify next step (a
+    # token tree's nodes in topological order); [] where none were
+    draft_token_ids: list[list[int]] = field(default_factory=list)
     num_draft_tokens: list[int] = field(default_factory=list)  # per request: drafts verified
     num_accepted_tokens: list[int] = field(default_factory=list)  # per request: drafts kept
     num_draft_positions: list[int] = field(default_factory=list)  # per request: K of a chain, depth of a tree
@@ -21,9 +25,11 @@ class ModelRunnerOutput:
     # per request: tokens its grammar forced after the target's decision (no target row scored them)
     num_forced_tokens: list[int] = field(default_factory=list)
     num_target_rows: int = 0  # rows the target forward ran
-    num_draft_first_pass_rows: int = 0  # rows of the draft's first (catch-up) pass
-    expected_accepted: float | None = None  # adaptive trees: accepted drafts the draft's probabilities predict
-    draft_seconds: float = 0.0
+    num_draft_first_pass_rows: int = 0  # rows of the proposal's first (catch-up) pass
+    num_draft_passes: int = 0  # the proposal's draft-model passes (K of a chain, a tree's depth; 0 without a model)
+    # adaptive trees: accepted drafts the draft's probabilities predicted for the drafts verified
+    expected_accepted: float | None = None
+    draft_seconds: float = 0.0  # proposing the next step's drafts
     target_seconds: float = 0.0
     sampling_seconds: float = 0.0
     grammar_seconds: float = 0.0  # structured output: matchers and masks (part of the above)

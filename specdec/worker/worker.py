@@ -1,11 +1,14 @@
 """Worker: everything on the device. ``execute(SchedulerOutput) -> ModelRunnerOutput``.
 
-One step, inside the worker: update the cached request states from the scheduler's output
--> draft (a chain or a token tree) -> one target forward over every scheduled row -> verify
-(the rejection sampler for chains, the tree walk for trees) -> move an accepted tree path's
-KV into place -> hand the target's hidden states to a proposer that drafts from them. The
-worker keeps its own state of every request it has seen (``CachedRequestState``) until the
-engine reports the request finished.
+One step, inside the worker (vLLM v1's order): update the cached request states from the
+scheduler's output -> one target forward over every scheduled row (prefill chunks, newest
+tokens, the drafts proposed last step) -> verify (the rejection sampler for chains, the tree
+walk for trees) -> move an accepted tree path's KV into place -> commit (grammar matchers,
+forced tokens) -> propose the next drafts right away, from the hidden states just computed.
+The drafts' token ids go back in the output (the scheduler schedules them next step, or a
+prefix of them); their q stays here, in each request's ``next_drafts``. The worker keeps
+its own state of every request it has seen (``CachedRequestState``) until the engine
+reports the request finished.
 """
 from __future__ import annotations
 
@@ -19,19 +22,14 @@ from specdec.engine.scheduler_output import SchedulerOutput
 from specdec.layers.logits_processor import process_target_logits
 from specdec.layers.sampler import SamplingMetadata
 from specdec.profiling import profile_range
-from specdec.spec_decode.proposer import DraftProposal
+from specdec.spec_decode.proposer import DraftProposal, TargetStates
 from specdec.spec_decode.verifier import Verification
 from specdec.structured_output.backend import backend_key, get_backend
-from specdec.structured_output.grammar_state import GrammarState
-from specdec.structured_output.reasoning_grammar import gated_state
-from specdec.structured_output.masking import GRAMMAR_CLOCK, apply_bitmask, prune_proposal, verification_bitmask
+from specdec.structured_output.stage import StructuredOutputStage
 from specdec.worker.model_runner_output import ModelRunnerOutput
-from specdec.worker.request_state import CachedRequestState
+from specdec.worker.request_state import CachedRequestState, PendingDrafts
 from specdec.worker.setup import build_worker_parts
 from specdec.worker.target_inputs import TargetInputs, prepare_target
-
-
-MAX_FORCED_TOKENS = 64  # per request and step
 
 
 class Worker:
@@ -50,9 +48,12 @@ class Worker:
         self.tree_verifier = parts.tree_verifier
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
         self.requests: dict[str, CachedRequestState] = {}
-        self._grammar_key = backend_key(cfg, model_path, vocab_size, eos_token_ids)
-        self.forced_tokens = cfg.structured_outputs_forced_tokens
+        key = backend_key(cfg, model_path, vocab_size, eos_token_ids)
+        self.structured_output = StructuredOutputStage(
+            lambda params: get_backend(key, lambda: load_tokenizer(key[0])).compile(params), vocab_size,
+            eos_token_ids, cfg.structured_outputs_forced_tokens)
         self.lora = _lora_manager(cfg, self.runner.model, model_config, self.dtype) if cfg.enable_lora else None
 
     @property
@@ -62,12 +63,8 @@ class Worker:
     # ---- the step ----
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         reqs = self._update_states(sched)
+        proposal = self._scheduled_drafts(reqs, sched)
         t0 = time.perf_counter()
-        with profile_range("draft"):
-            proposal = self._propose(reqs, sched)
-            if proposal.draft_token_ids and any(r.grammar is not None for r in reqs):
-                proposal = prune_proposal(reqs, proposal)
-        t1 = time.perf_counter()
         lora_slots = self.lora.activate([r.lora_request for r in reqs]) if self.lora is not None else None
         inputs = prepare_target(self.runner, reqs, sched.num_scheduled_tokens, proposal, lora_slots)
         with profile_range("forward"):
@@ -75,13 +72,16 @@ class Worker:
                 logits, hidden = self.runner.forward_with_hidden(inputs.batch)
             else:
                 logits, hidden = self.runner.forward(inputs.batch), None
-        t2 = time.perf_counter()
+        t1 = time.perf_counter()
         with profile_range("verify"):
             verification = self._verify(reqs, inputs.verified, proposal, logits)
+        t2 = time.perf_counter()
+        out, num_kept = self._output(reqs, sched, proposal, inputs, verification, logits, hidden)
         t3 = time.perf_counter()
-        out = self._output(reqs, sched, proposal, inputs, verification, logits, hidden)
-        out.draft_seconds, out.target_seconds, out.sampling_seconds = t1 - t0, t2 - t1, t3 - t2
-        out.grammar_seconds = GRAMMAR_CLOCK.take()
+        with profile_range("draft"):
+            self._propose_next(reqs, sched, inputs, num_kept, hidden, out)
+        out.draft_seconds, out.target_seconds, out.sampling_seconds = time.perf_counter() - t3, t1 - t0, t2 - t1
+        out.grammar_seconds = self.structured_output.take_seconds()
         if self.tp is not None:
             out.comm_seconds = self.tp.take_comm_seconds()
         return out
@@ -93,11 +93,12 @@ class Worker:
                 new.request_id, list(new.prompt_token_ids), new.sampling_params, self.eos_token_ids, gen,
                 lora_request=new.lora_request)
             if new.sampling_params.structured_outputs is not None:
-                state.grammar = self._grammar_state(new.sampling_params.structured_outputs)
+                state.grammar = self.structured_output.new_grammar(new.sampling_params.structured_outputs)
         for rid in sched.preempted_req_ids:  # its blocks were freed: the draft KV is gone too
             state = self.requests.get(rid)
             if state is not None:
                 state.num_draft_computed_tokens = 0
+                state.next_drafts = None
         reqs = [self.requests[rid] for rid in sched.request_ids]
         for req, computed, blocks, depth in zip(reqs, sched.num_computed_tokens, sched.block_ids, sched.tree_depths):
             req.num_computed_tokens = computed
@@ -105,10 +106,30 @@ class Worker:
             req.spec_depth = depth
         return reqs
 
-    def _propose(self, reqs: list[CachedRequestState], sched: SchedulerOutput) -> DraftProposal:
-        if self.proposer is None or not any(sched.num_spec_slots):
+    def _scheduled_drafts(self, reqs: list[CachedRequestState], sched: SchedulerOutput) -> DraftProposal:
+        """The drafts each request verifies this step: the ones proposed for it last step, cut to
+        the prefix the scheduler granted (the rest, and their q rows, are dropped here)."""
+        tokens, parents, probs, expected = [], [], [], []
+        for req, scheduled in zip(reqs, sched.spec_token_ids):
+            pending, req.next_drafts = req.next_drafts, None
+            n = len(scheduled)
+            if n and (pending is None or pending.token_ids[:n] != list(scheduled)):
+                raise RuntimeError(f"request {req.request_id}: the scheduled drafts {list(scheduled)} are not the ones "
+                                   f"this worker proposed ({None if pending is None else pending.token_ids})")
+            tokens.append(list(scheduled))
+            parents.append(pending.parents[:n] if n and pending.parents is not None else None)
+            probs.append(pending.probs[:n] if n and pending.probs is not None else None)
+            if n and pending.expected_accepted is not None:
+                expected.append(pending.expected_accepted)
+        if not any(tokens):
             return DraftProposal.empty(len(reqs))
-        return self.proposer.propose(reqs, sched.num_spec_slots, sched.tree_budget)
+        draft_parents = [p or [] for p in parents] if any(p is not None for p in parents) else None
+        draft_probs = None
+        given = [p for p in probs if p is not None]
+        if given:  # rows of drafts drawn without a q (greedy requests) are never read
+            draft_probs = torch.cat([p if p is not None else given[0].new_zeros(len(t), given[0].shape[1])
+                                     for p, t in zip(probs, tokens) if t])
+        return DraftProposal(tokens, draft_probs, draft_parents, sum(expected) if expected else None)
 
     def _verify(self, reqs: list[CachedRequestState], verified: list[int], proposal: DraftProposal,
                 logits: torch.Tensor) -> Verification | None:
@@ -120,25 +141,22 @@ class Worker:
                                             self.device)
         meta_rows = meta.expand([len(proposal.draft_token_ids[i]) + 1 for i in verified])
         histories = [proposal.row_histories(i) for i in verified]
-        masks = self._grammar_masks(vreqs, histories, logits)
+        masks = self.structured_output.mask_verification_rows(logits, vreqs, histories)
         logits = process_target_logits(logits, vreqs, histories, meta_rows)
-        if masks is not None:  # greedy rows: masked only if their argmax is banned
-            bitmask, full, lazy = masks
-            # min_tokens may have banned the only token the grammar allows: mask again, with the fallback
-            again = full if any(r.sampling_params.min_tokens > r.num_output_tokens for r in vreqs) else []
-            with GRAMMAR_CLOCK.timed():
-                apply_bitmask(logits, bitmask, again + lazy, fallback_uniform=True,
-                              argmax_only=[False] * len(again) + [True] * len(lazy))
+        self.structured_output.mask_after_processors(logits, masks, vreqs)
         verifier = self.tree_verifier if proposal.is_tree else self.chain_verifier
         return verifier.verify(logits, proposal, verified, meta)
 
-    def _output(self, reqs, sched, proposal, inputs: TargetInputs, verification, logits, hidden) -> ModelRunnerOutput:
+    def _output(self, reqs, sched, proposal, inputs: TargetInputs, verification, logits,
+                hidden) -> tuple[ModelRunnerOutput, list[int]]:
+        """Commit the verification to the request states; (the output, per request the rows the
+        target kept: its scheduled tokens and accepted drafts)."""
         num_reqs = len(reqs)
         out = ModelRunnerOutput(
             request_ids=sched.request_ids, sampled_token_ids=[[] for _ in reqs], num_draft_tokens=proposal.num_draft_tokens,
             num_accepted_tokens=[0] * num_reqs, num_draft_positions=proposal.num_positions,
             logprobs=[None] * num_reqs, num_forced_tokens=[0] * num_reqs, num_target_rows=len(inputs.batch.input_ids),
-            expected_accepted=proposal.expected_accepted, num_draft_first_pass_rows=proposal.num_first_pass_rows)
+            expected_accepted=proposal.expected_accepted, draft_token_ids=[[] for _ in reqs])
         num_kept = list(sched.num_scheduled_tokens)
         if verification is not None:
             verified = inputs.verified
@@ -161,48 +179,56 @@ class Worker:
                 row += len(proposal.draft_token_ids[i]) + 1
                 for t in tokens:
                     req.append_output_token(t)
-                if req.grammar is not None:
-                    with GRAMMAR_CLOCK.timed():
-                        req.grammar.commit(tokens)
-                        if self.forced_tokens:
-                            out.num_forced_tokens[i] = self._append_forced(req, tokens, out.logprobs[i])
-        if self.proposer is not None and self.proposer.needs_target_hidden:
-            self.proposer.observe_target(reqs, inputs.starts, inputs.row_offsets, num_kept, hidden)
-        return out
+                out.num_forced_tokens[i] = self.structured_output.commit(req, tokens, out.logprobs[i])
+        for req, start, kept in zip(reqs, inputs.starts, num_kept):
+            req.num_computed_tokens = start + kept
+        return out, num_kept
 
-    @staticmethod
-    def _grammar_masks(vreqs, histories, logits):
-        """Mask now the verification rows of constrained requests that sample or want logprobs
-        (the logprobs are then the constrained distribution's); returns (bitmask, those rows, the
-        greedy rows, checked after the logits processors)."""
-        if all(r.grammar is None for r in vreqs):
-            return None
-        with GRAMMAR_CLOCK.timed():
-            bitmask, full, lazy = verification_bitmask(vreqs, histories, logits.shape[1])
-            apply_bitmask(logits, bitmask, full, fallback_uniform=False)
-        return bitmask, full, lazy
+    def _propose_next(self, reqs: list[CachedRequestState], sched: SchedulerOutput, inputs: TargetInputs,
+                      num_kept: list[int], hidden: torch.Tensor | None, out: ModelRunnerOutput) -> None:
+        """Draft for the next step, for every request that now decodes (one token without KV)
+        and was granted slots; an EAGLE head also catches up on the rows every other request
+        kept, since no features outlive the step."""
+        if self.proposer is None:
+            return
+        ks = [self._num_next_drafts(req, k) for req, k in zip(reqs, sched.num_spec_slots)]
+        target = None
+        if self.proposer.needs_target_hidden:
+            if hidden is None:
+                raise RuntimeError(f"the {self.proposer.name} proposer needs the target's hidden states, which "
+                                   "this target runner did not return")
+            target = TargetStates(hidden, inputs.starts, inputs.row_offsets, num_kept)
+        elif not any(ks):
+            return
+        proposal = self.proposer.propose(reqs, ks, sched.tree_budget, grammar=self.structured_output, target=target)
+        proposal = self.structured_output.prune(reqs, proposal)
+        out.num_draft_first_pass_rows = proposal.num_first_pass_rows
+        if self.proposer.has_draft_model:
+            out.num_draft_passes = max(proposal.num_positions, default=0)
+        first = 0
+        for i, (req, drafts) in enumerate(zip(reqs, proposal.draft_token_ids)):
+            if not drafts:
+                continue
+            probs = None if proposal.draft_probs is None else proposal.draft_probs[first:first + len(drafts)]
+            first += len(drafts)
+            parents = None if proposal.draft_parents is None else proposal.draft_parents[i]
+            expected = None if proposal.expected_by_request is None else proposal.expected_by_request[i]
+            req.next_drafts = PendingDrafts(list(drafts), parents, probs, expected)
+            out.draft_token_ids[i] = list(drafts)
 
-    def _grammar_state(self, params) -> GrammarState:
-        backend = get_backend(self._grammar_key, lambda: load_tokenizer(self._grammar_key[0]))
-        return gated_state(params, GrammarState(backend.compile(params), self.vocab_size, self.eos_token_ids))
-
-    @staticmethod
-    def _append_forced(req: CachedRequestState, tokens: list[int], logprobs: list | None) -> int:
-        """Tokens the grammar forces (exactly one allowed: probability 1 under the mask) join the
-        output without a target decision; the next step computes their KV with the newest token."""
-        scratch = GrammarState.allocate(1, req.grammar.vocab_size)
-        forced = 0
-        while forced < MAX_FORCED_TOKENS:
-            token = req.grammar.forced_token(scratch)
-            if token is None:
-                break
-            req.grammar.commit([token])
-            req.append_output_token(token)
-            tokens.append(token)
-            if logprobs is not None:
-                logprobs.append({token: 0.0})
-            forced += 1
-        return forced
+    def _num_next_drafts(self, req: CachedRequestState, granted: int) -> int:
+        """The drafts ``req`` may get now: the scheduler's grant, if the request decodes and has room
+        for them (its output limit, the context, the KV slots it holds) and did not just end."""
+        if not granted or req.num_tokens - req.num_computed_tokens != 1:
+            return 0
+        params = req.sampling_params
+        last = req.output_token_ids[-1] if req.output_token_ids else None
+        if last is not None and req.num_output_tokens >= params.min_tokens and (
+                last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids)):
+            return 0  # the commit will stop it
+        slots = len(req.block_ids) * self.runner.block_size
+        return max(0, min(granted, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens,
+                          slots - req.num_tokens))
 
     @staticmethod
     def _logprobs_source(reqs, verified: list[int], logits: torch.Tensor) -> torch.Tensor | None:

@@ -38,6 +38,7 @@ class FakeEngine:
         self.kv_content: dict[int, tuple[int, int]] = {}  # slot -> (position, token)
         self.requests: list[Request] = []
         self.worker_tokens: dict[str, list[int]] = {}  # the fake worker's own copy of each request's tokens
+        self.pending: dict[str, list[int]] = {}  # the fake worker's drafts for each request's next step
         self.num_steps = 0
 
     # ---- the engine's side of the contract ----
@@ -55,7 +56,8 @@ class FakeEngine:
                 self.sync_worker()
 
     def step(self) -> None:
-        plan = SpeculationPlan({r.request_id: self.rng.randint(0, 4) for r in self.scheduler.running if r.is_decoding})
+        plan = SpeculationPlan({r.request_id: self.rng.randint(0, 4) for r in self.scheduler.running if r.is_decoding},
+                               new_request_spec_tokens=self.rng.randint(0, 3))
         sched = self.scheduler.schedule(plan)
         self.num_steps += 1
         self.check_schedule(sched)
@@ -72,24 +74,33 @@ class FakeEngine:
         self.check_state()
 
     def fake_worker(self, sched) -> ModelRunnerOutput:
-        """Random acceptance over random drafts; writes the fake KV of every fed row."""
+        """Random acceptance of the scheduled drafts, then random next drafts (as many as the
+        scheduler granted, at most); writes the fake KV of every fed row."""
         for new in sched.new_requests:
             self.worker_tokens[new.request_id] = list(new.prompt_token_ids)
         out = ModelRunnerOutput(request_ids=sched.request_ids)
-        for rid, start, n, k, blocks in zip(sched.request_ids, sched.num_computed_tokens, sched.num_scheduled_tokens,
-                                            sched.num_spec_slots, sched.block_ids):
+        for rid, start, n, drafts, num_next, blocks in zip(sched.request_ids, sched.num_computed_tokens,
+                                                           sched.num_scheduled_tokens, sched.spec_token_ids,
+                                                           sched.num_spec_slots, sched.block_ids):
+            pending = self.pending.pop(rid, [])
+            assert drafts == pending[:len(drafts)]  # the worker's own drafts, or a prefix of them
             tokens = self.worker_tokens[rid]
-            drafts = [self.rng.randrange(VOCAB) for _ in range(k)]
+            k = len(drafts)
             fed = tokens[start:start + n] + drafts
             for pos, tok in zip(range(start, start + len(fed)), fed):
                 self.kv_content[blocks[pos // BS] * BS + pos % BS] = (pos, tok)
-            sampled = []
-            accepted = 0
+            sampled, accepted, proposed = [], 0, []
             if start + n == len(tokens):  # not a partial prefill chunk
                 accepted = self.rng.randint(0, k)
                 sampled = drafts[:accepted] + [self.rng.randrange(VOCAB)]
                 tokens.extend(sampled)
+                if num_next:
+                    # the slots reserved hold the newest token and every next draft
+                    assert len(blocks) * BS >= len(tokens) + num_next
+                    proposed = [self.rng.randrange(VOCAB) for _ in range(self.rng.randint(0, num_next))]
+                    self.pending[rid] = proposed
             out.sampled_token_ids.append(sampled)
+            out.draft_token_ids.append(proposed)
             out.num_draft_tokens.append(k if sampled else 0)
             out.num_accepted_tokens.append(accepted)
             out.num_draft_positions.append(k if sampled else 0)
@@ -101,6 +112,7 @@ class FakeEngine:
         for rid in list(self.worker_tokens):
             if rid not in self.scheduler.requests:
                 del self.worker_tokens[rid]
+                self.pending.pop(rid, None)
 
     # ---- invariants ----
     def check_schedule(self, sched) -> None:
@@ -109,13 +121,17 @@ class FakeEngine:
         assert len(sched.request_ids) <= s.max_num_seqs and len(s.running) <= s.max_num_seqs
         assert len(set(sched.request_ids)) == len(sched.request_ids)
         reqs = [s.requests[rid] for rid in sched.request_ids]
-        for r, n, k, start, blocks in zip(reqs, sched.num_scheduled_tokens, sched.num_spec_slots,
-                                          sched.num_computed_tokens, sched.block_ids):
+        for r, n, drafts, num_next, start, blocks in zip(reqs, sched.num_scheduled_tokens, sched.spec_token_ids,
+                                                         sched.num_spec_slots, sched.num_computed_tokens,
+                                                         sched.block_ids):
+            k = len(drafts)
             assert r.status == RequestStatus.RUNNING and r in s.running
             assert start == r.num_computed_tokens and blocks == self.kv.get_block_ids(r.request_id)
             assert n >= 1 and r.num_computed_tokens + n <= r.num_tokens
             assert k == 0 or r.num_computed_tokens + n == r.num_tokens  # drafts only after the last real token
+            assert num_next == 0 or r.num_computed_tokens + n == r.num_tokens  # next drafts only after a decision
             assert r.num_output_tokens + k + 1 <= r.max_tokens  # never drafts past max_tokens
+            assert num_next == 0 or r.num_output_tokens + 1 + num_next + 1 <= r.max_tokens  # nor next drafts
             assert len(self.kv.get_block_ids(r.request_id)) * BS >= r.num_computed_tokens + n + k
             # every computed position still holds this request's own token (prefix hits included)
             blocks = self.kv.get_block_ids(r.request_id)

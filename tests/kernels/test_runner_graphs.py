@@ -39,9 +39,10 @@ def step(runners, feeds, starts, tables, expect_graph: bool):
     rows = [list(range(len(f))) for f in feeds]
     batch = graphed.prepare(feeds, starts, tables, rows)
     assert (graphed._graph_for(batch) is not None) == expect_graph
-    expected = eager.forward(eager.prepare(feeds, starts, tables, rows))
-    got = graphed.forward(batch)
+    expected, expected_hidden = eager.forward_with_hidden(eager.prepare(feeds, starts, tables, rows))
+    got, hidden = graphed.forward_with_hidden(batch)  # the hidden states an EAGLE head reads, from the graph too
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hidden, expected_hidden, rtol=1e-4, atol=1e-4)
     return expected
 
 

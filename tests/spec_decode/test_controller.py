@@ -11,12 +11,14 @@ from specdec.worker.model_runner_output import ModelRunnerOutput
 
 
 def record(ids, num_drafted, num_accepted, num_scheduled=None, target_seconds=0.01, step_seconds=0.02) -> StepRecord:
-    """A committed step in which request ids[i] verified num_drafted[i] chain drafts, accepting num_accepted[i]."""
+    """A committed step in which request ids[i] verified num_drafted[i] chain drafts, accepting num_accepted[i],
+    and drafted as many again for the next step (a steady K)."""
     n = len(ids)
-    sched = SchedulerOutput(list(ids), [0] * n, num_scheduled or [1] * n, list(num_drafted), [0] * n, [1] * n,
-                            [[] for _ in ids])
-    result = ModelRunnerOutput(list(ids), [[0] * (a + 1) for a in num_accepted], list(num_drafted),
-                               list(num_accepted), list(num_drafted), [None] * n, target_seconds=target_seconds)
+    sched = SchedulerOutput(list(ids), [0] * n, num_scheduled or [1] * n, [[0] * d for d in num_drafted],
+                            list(num_drafted), [0] * n, [1] * n, [[] for _ in ids])
+    result = ModelRunnerOutput(list(ids), [[0] * (a + 1) for a in num_accepted], [[0] * d for d in num_drafted],
+                               list(num_drafted), list(num_accepted), list(num_drafted), [None] * n,
+                               num_draft_passes=max(num_drafted, default=0), target_seconds=target_seconds)
     return StepRecord(sched, result, [a + 1 for a in num_accepted], step_seconds)
 
 
@@ -93,7 +95,7 @@ def test_the_cost_model_is_fed_the_rows_the_target_ran_not_the_slots_reserved():
     ctl = controller()
     seen = []
     ctl.cost.observe = lambda kind, num_tokens, seconds: seen.append((kind, num_tokens))
-    # K = 4 reserved for each of 4 requests (20 rows), but the proposer found drafts for one only
+    # K = 4 reserved for each of 4 requests, but the proposer found drafts for one only
     step = record([f"r{i}" for i in range(4)], [2, 0, 0, 0], [1, 0, 0, 0])
     step.scheduled.num_spec_slots = [4] * 4
     ctl.observe(step)

@@ -102,9 +102,9 @@ def test_engine_drafts_equal_dense_head_on_target_features(llama_path, head_path
     seen = []
     inner = proposer.propose
 
-    def recording(requests, num_spec, tree_budget=None):
+    def recording(requests, num_spec, tree_budget=None, **kw):
         snapshot = [(list(r.all_token_ids), r.num_computed_tokens, k) for r, k in zip(requests, num_spec)]
-        proposal = inner(requests, num_spec, tree_budget)
+        proposal = inner(requests, num_spec, tree_budget, **kw)
         seen.extend((toks, c, k, d) for (toks, c, k), d in zip(snapshot, proposal.draft_token_ids) if k)
         return proposal
 
@@ -131,7 +131,7 @@ def test_greedy_identical_with_eagle_in_mixed_batches(llama_path, head_path, pro
         if i % 3:
             assert o.outputs[0].token_ids == w, f"prompt {i} diverged"
     assert llm.get_metrics()["num_draft_tokens"] > 0
-    assert not llm.engine.executor.driver_worker.proposer.features  # finished requests leave no features behind
+    assert llm.engine.executor.driver_worker.num_request_states() == 0  # finished requests leave nothing behind
     engine = llm.engine
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 
@@ -147,7 +147,7 @@ def test_draft_vocabulary_restricts_drafts_and_stays_lossless(llama_path, target
                                                               "num_speculative_tokens": 3})
     proposals = []
     inner = llm.engine.executor.driver_worker.proposer.propose
-    llm.engine.executor.driver_worker.proposer.propose = lambda r, k, b=None: proposals.append(inner(r, k, b)) or proposals[-1]
+    llm.engine.executor.driver_worker.proposer.propose = lambda r, k, b=None, **kw: proposals.append(inner(r, k, b, **kw)) or proposals[-1]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in LLM(model=llama_path, **ENGINE).generate(prompts[:4], params, use_tqdm=False)]
@@ -171,11 +171,11 @@ def test_eagle_tree_nodes_are_the_dense_heads_top_candidates_and_greedy_stays_id
     seen = []
     inner = llm.engine.executor.driver_worker.proposer.propose
 
-    def recording(requests, num_spec, tree_budget=None):
+    def recording(requests, num_spec, tree_budget=None, **kw):
         snapshot = [(list(r.all_token_ids), r.num_computed_tokens) for r in requests]
-        proposal = inner(requests, num_spec, tree_budget)
-        seen.extend((t, c, d, p) for (t, c), d, p in zip(snapshot, proposal.draft_token_ids, proposal.draft_parents)
-                    if d)
+        proposal = inner(requests, num_spec, tree_budget, **kw)
+        seen.extend((t, c, d, p) for (t, c), d, p in zip(snapshot, proposal.draft_token_ids,
+                                                          proposal.draft_parents or [None] * len(requests)) if d)
         return proposal
 
     llm.engine.executor.driver_worker.proposer.propose = recording

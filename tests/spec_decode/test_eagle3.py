@@ -104,9 +104,9 @@ def _recording(llm, seen: list) -> None:
     proposer = llm.engine.executor.driver_worker.proposer
     inner = proposer.propose
 
-    def recording(requests, num_spec, tree_budget=None):
+    def recording(requests, num_spec, tree_budget=None, **kw):
         snapshot = [(list(r.all_token_ids), r.num_computed_tokens, k) for r, k in zip(requests, num_spec)]
-        proposal = inner(requests, num_spec, tree_budget)
+        proposal = inner(requests, num_spec, tree_budget, **kw)
         parents = proposal.draft_parents or [None] * len(requests)
         seen.extend((t, c, k, d, p) for (t, c, k), d, p in zip(snapshot, proposal.draft_token_ids, parents) if d)
         return proposal
@@ -170,7 +170,7 @@ def test_greedy_identical_with_eagle3_in_mixed_batches(target_path, head_path, p
             assert o.outputs[0].token_ids == w, f"prompt {i} diverged"
     metrics = llm.get_metrics()
     assert metrics["num_draft_tokens"] > 0 and metrics["num_accepted_tokens"] > 0
-    assert not llm.engine.executor.driver_worker.proposer.features  # finished requests leave no features behind
+    assert llm.engine.executor.driver_worker.num_request_states() == 0  # finished requests leave nothing behind
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
 
 

@@ -216,9 +216,9 @@ def test_tree_nodes_are_the_draft_models_own_top_candidates(llama_path, noisy_dr
     seen = []
     inner = llm.engine.executor.driver_worker.proposer.propose
 
-    def recording(requests, num_spec, tree_budget=None):
+    def recording(requests, num_spec, tree_budget=None, **kw):
         before = [list(r.all_token_ids) for r in requests]
-        proposal = inner(requests, num_spec, tree_budget)
+        proposal = inner(requests, num_spec, tree_budget, **kw)
         seen.extend((b, d, p) for b, d, p in zip(before, proposal.draft_token_ids, proposal.draft_parents) if d)
         return proposal
 
@@ -259,8 +259,8 @@ def test_adaptive_trees_stay_greedy_identical_and_size_themselves(llama_path, no
     sizes = []
     inner = llm.engine.executor.driver_worker.proposer.propose
 
-    def recording(requests, num_spec, tree_budget=None):
-        proposal = inner(requests, num_spec, tree_budget)
+    def recording(requests, num_spec, tree_budget=None, **kw):
+        proposal = inner(requests, num_spec, tree_budget, **kw)
         sizes.extend(len(d) for d, k in zip(proposal.draft_token_ids, num_spec) if k)
         assert proposal.expected_accepted is not None
         return proposal

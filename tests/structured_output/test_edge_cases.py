@@ -11,8 +11,9 @@ import torch
 from specdec import LLM, SamplingParams
 from specdec.spec_decode.proposer import DraftProposal
 from specdec.structured_output import StructuredOutputsParams
-from specdec.structured_output.grammar_state import GrammarState, _bit
-from specdec.structured_output.masking import _prune, apply_bitmask, unpack_row
+from specdec.structured_output.grammar_state import GrammarCursor, GrammarState, _bit
+from specdec.structured_output.masking import apply_bitmask, unpack_row
+from specdec.structured_output.stage import prune_drafts
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=128)
 CHOICE = StructuredOutputsParams(choice=["import json", "import os"])
@@ -154,12 +155,15 @@ def test_abort_mid_generation_drops_the_grammar(llm, prompts):
 
 # ---- pruning ----
 class _PrefixGrammar:
-    """A stand-in matcher: accepts exactly the prefixes of ``allowed`` paths."""
+    """A stand-in grammar: accepts exactly the prefixes of ``allowed`` paths."""
 
     def __init__(self, allowed: list[list[int]]):
         self.allowed = allowed
 
-    def goto(self, path: list[int]) -> int:
+    def path_cursors(self, paths: list[list[int]]):
+        return [GrammarCursor(None, 0, [], self._accepted(path)) for path in paths]
+
+    def _accepted(self, path: list[int]) -> int:
         return max(next((n for n in range(len(path) + 1) if a[:n] != path[:n]), len(path) + 1) - 1
                    for a in self.allowed) if path else 0
 
@@ -174,7 +178,7 @@ def test_prune_trees_and_chains():
     tokens, parents = [10, 11, 12, 13, 14], [-1, -1, 0, 1, 2]
     reqs = [_Req(_PrefixGrammar([[10, 12]])), _Req(None), _Req(_PrefixGrammar([[99]]))]
     prop = DraftProposal([tokens, [5, 6], [10, 11]], None, [parents, [-1, 0], [-1, -1]])
-    out = _prune(reqs, prop)
+    out = prune_drafts(reqs, prop)
     assert out.draft_token_ids == [[10, 12], [5, 6], []]
     assert out.draft_parents == [[-1, 0], [-1, 0], []]
     assert out.row_histories(2) == [[]] and out.row_histories(0) == [[], [10], [10, 12]]
@@ -182,7 +186,7 @@ def test_prune_trees_and_chains():
     q = torch.arange(8, dtype=torch.float32).unsqueeze(1).expand(8, 4).contiguous()
     reqs = [_Req(_PrefixGrammar([[1, 2]])), _Req(None), _Req(_PrefixGrammar([[7]]))]
     prop = DraftProposal([[1, 2, 3], [4, 5, 6], [8, 9]], q)
-    out = _prune(reqs, prop)
+    out = prune_drafts(reqs, prop)
     assert out.draft_token_ids == [[1, 2], [4, 5, 6], []]
     assert out.draft_probs[:, 0].tolist() == [0, 1, 3, 4, 5]
 
@@ -202,7 +206,7 @@ class _FakeMatcher:
 
 def _state(words, vocab, eos=(1,), terminated=False) -> GrammarState:
     s = GrammarState.__new__(GrammarState)
-    s.matcher, s.vocab_size, s.path = _FakeMatcher(words, terminated), vocab, []
+    s.matcher, s.vocab_size = _FakeMatcher(words, terminated), vocab
     s.eos_token_ids = [t for t in eos if t < vocab]
     return s
 
@@ -216,7 +220,7 @@ def test_forced_token_bits_and_terminated_fill():
     assert _state([0, 0, _bit(31)], 90).forced_token(scratch) is None  # past the vocabulary
     s = _state([0, 0, 0], 96, eos=(31, 63, 95, 200), terminated=True)
     bm = GrammarState.allocate(2, 96)
-    s.fill(bm, 1)
+    GrammarCursor(s.matcher, 96, s.eos_token_ids).fill(bm, 1)
     assert unpack_row(bm[1], 96).nonzero().flatten().tolist() == [31, 63, 95]
     assert s.forced_token(scratch) is None
 
@@ -228,7 +232,7 @@ def test_dead_end_rows_get_eos():
     bm[[1, 4, 6]] = 0
     rows = [0, 1, 4, 5, 6]  # two runs; row 2 (all allowed) and row 3 (not listed) stay
     bm[3] = 0
-    end_dead_ends(bm, rows, [_state([0, 0, 0], 96, eos=(5, 63)) for _ in rows])
+    end_dead_ends(bm, rows, [GrammarCursor(_FakeMatcher([0, 0, 0]), 96, [5, 63]) for _ in rows])
     for r in (1, 4, 6):
         assert unpack_row(bm[r], 96).nonzero().flatten().tolist() == [5, 63]
     assert bm[3].eq(0).all() and bm[[0, 2, 5]].eq(-1).all()

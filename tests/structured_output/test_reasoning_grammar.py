@@ -29,11 +29,16 @@ def compiled():
 
 
 def allowed(state, path=None) -> set[int]:
+    """Tokens allowed after the committed output plus ``path`` (a cursor forked for it), or at a cursor."""
     bitmask = GrammarState.allocate(1, len(VOCAB))
-    if path is not None:
-        state.goto(path)
-    state.fill(bitmask, 0)
+    cursor = state if hasattr(state, "advance") else state.path_cursors([path or []])[0]
+    cursor.fill(bitmask, 0)
     return set(unpack_row(bitmask[0], len(VOCAB)).nonzero().flatten().tolist())
+
+
+def walk(state, path) -> int:
+    """How many tokens of ``path`` a trial cursor accepts."""
+    return state.path_cursors([path])[0].num_accepted
 
 
 def ids(text: str) -> list[int]:
@@ -61,7 +66,6 @@ def test_a_multi_token_end_sequence_may_span_commits_and_paths(compiled):
     assert allowed(state, ids("#")) == set(range(len(VOCAB)))
     assert allowed(state, ids("#!")) == DIGITS
     assert allowed(state, ids("!")) == set(range(len(VOCAB)))  # "x#!" is not the sequence
-    state.goto([])
     state.commit(ids("#!"))
     assert allowed(state) == DIGITS
 
@@ -71,14 +75,15 @@ def test_an_optional_reasoning_is_opened_by_the_first_token(compiled):
     assert allowed(state) == DIGITS | {THINK}
     assert allowed(state, [THINK]) == set(range(len(VOCAB)))
     assert allowed(state, ids("1")) == DIGITS
-    assert state.goto(ids("1a")) == 1  # answering at once: the grammar from the first token
-    assert state.goto([THINK, *ids("hm"), END, *ids("12")]) == 6
+    assert walk(state, ids("1a")) == 1  # answering at once: the grammar from the first token
+    assert walk(state, [THINK, *ids("hm"), END, *ids("12")]) == 6
     assert allowed(state, [THINK, END, *ids("12")]) == {EOS}
 
 
 def test_masks_after_a_path_equal_masks_after_committing_it(compiled):
-    """The property speculation relies on: a trial path (any order of gotos) gives the mask a
-    request that committed those tokens would have."""
+    """The property speculation relies on: a trial path (forked cursors, any number of other
+    paths walked first) gives the mask a request that committed those tokens would have; and a
+    cursor forked midway agrees with one walked whole."""
     rng = random.Random(0)
     alphabet = [*ids("ab1#"), END, THINK]
     for trial in range(300):
@@ -88,12 +93,19 @@ def test_masks_after_a_path_equal_masks_after_committing_it(compiled):
         speculative = make(compiled, start=start)
         speculative.commit(seq[:cut])
         for _ in range(3):  # wander: other paths first
-            speculative.goto([rng.choice(alphabet) for _ in range(rng.randint(0, 4))])
-        accepted = speculative.goto(seq[cut:])
+            speculative.path_cursors([[rng.choice(alphabet) for _ in range(rng.randint(0, 4))]])
+        cursor = speculative.path_cursors([seq[cut:]])[0]
+        accepted = cursor.num_accepted
+        forked = speculative.cursor()
+        for t in seq[cut:cut + accepted // 2]:
+            forked.advance(t)
+        forked = forked.fork()
+        for t in seq[cut + accepted // 2:cut + accepted]:
+            assert forked.advance(t)
         plain = make(compiled, start=start)
         n = plain.commit(seq[:cut]) + plain.commit(seq[cut:cut + accepted])
         if n == cut + accepted:
-            assert allowed(speculative) == allowed(plain), (seq, cut)
+            assert allowed(cursor) == allowed(plain) == allowed(forked), (seq, cut)
 
 
 def test_plain_params_give_the_plain_state(compiled):
