@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from specdec.server.launcher import SpawnedServer, check_loopback, engine_argv
 from specdec.server.metrics import parse_spec_counters
-from specdec.server.soak import add_soak_args, cmd_soak
+from specdec.bench.soak import add_soak_args, cmd_soak
 
 KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 

@@ -71,7 +71,7 @@ def test_soak_finds_nothing_lost_or_leaked_on_the_live_server(server):
     the shared server: its own checks pass and its accounting matches the server's counters."""
     import asyncio
 
-    from specdec.server.soak import run_soak
+    from specdec.bench.soak import run_soak
 
     report = asyncio.run(run_soak(server.url, {}, "tiny", ["def f(x):"], server.proc.pid, concurrency=8, rounds=1,
                                   num_disconnects=2, max_tokens=24, stall_max_tokens=180))

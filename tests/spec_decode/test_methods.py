@@ -79,10 +79,6 @@ def _imports(path: Path) -> list[str]:
     return names
 
 
-# the soak driver of ``specdec bench serve --soak`` sits in server/ but is benchmark code
-NOT_SERVING = {"specdec/server/soak.py"}
-
-
 def test_the_serving_core_imports_nothing_from_bench_or_training():
     offenders = []
     for layer in SERVING_CORE:
@@ -90,7 +86,7 @@ def test_the_serving_core_imports_nothing_from_bench_or_training():
             rel = path.relative_to(ROOT).as_posix()
             bad = [n for n in _imports(path) if n.split(".")[:2] in (["specdec", "bench"], ["specdec", "training"])
                    or n in ("specdec.bench", "specdec.training")]
-            if bad and rel not in NOT_SERVING:
+            if bad:
                 offenders.append(f"{rel}: {sorted(set(bad))}")
     assert not offenders, offenders
     assert len(list((ROOT / "specdec" / "worker").rglob("*.py"))) > 3  # the walk saw the package
