@@ -150,6 +150,8 @@ class Bf16WeightLinear(nn.Module):
         return _Bf16Plan(lambda x: op(x, weight, bias), woq_cpu.BF16_KERNEL_MAX_ROWS * self.in_features)  # noqa: E731
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # a step where no row reaches this layer (the AMX kernel needs a row)
+            return x.new_empty(*x.shape[:-1], self.out_features)
         plan = self._plan()
         if plan.kernel is not None and (plan.kernel_max_inputs is None or x.numel() <= plan.kernel_max_inputs):
             return plan.kernel(x)

@@ -106,3 +106,16 @@ def test_amx_int8_path_equals_the_vnni_kernel_bitwise(fmt, rows):
     ops = amx_cpu.extension_a8()
     assert torch.equal(ops.a8_linear_amx(x, *args, bias), ops.a8_linear(x, *args, bias))
     assert torch.equal(ops.a8_linear_amx(x, *args, bias), woq_cpu.linear_a8(x, woq_cpu.A8Weight.prepare(q), bias))
+
+
+def test_a_call_without_rows_returns_an_empty_result():
+    """A step may hand a layer no rows (an EAGLE head with nothing to draft): every bf16 path returns
+    [0, N] instead of running a kernel on nothing."""
+    from torch import nn
+
+    from specdec.layers.quantization import Bf16WeightLinear
+
+    layer = Bf16WeightLinear(nn.Linear(64, 32, bias=False, dtype=torch.bfloat16))
+    for dtype in (torch.float32, torch.bfloat16):
+        out = layer(torch.empty(0, 64, dtype=dtype))
+        assert out.shape == (0, 32) and out.dtype == dtype
