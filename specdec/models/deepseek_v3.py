@@ -37,7 +37,7 @@ from specdec.layers.mla import (
 from specdec.layers.moe import Expert, Routing, SparseMoE
 from specdec.layers.norm import RMSNorm
 from specdec.layers.rotary import _yarn_factor, _yarn_mscale, rotate
-from specdec.models.llama import LlamaForCausalLM, _cfg, _copy_checked, _rope_params
+from specdec.models.llama import DecoderLayer, LlamaForCausalLM, _cfg, _copy_checked, _rope_params
 
 
 def softmax_scale(config) -> float:
@@ -166,25 +166,17 @@ class DeepseekMoE(nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(DecoderLayer):
+    """Llama's pre-norm residual block (its ``forward``) around MLA and DeepSeek's MoE."""
+
     def __init__(self, config, layer_idx: int, router_class: type[nn.Module] = DeepseekRouter):
-        super().__init__()
+        nn.Module.__init__(self)  # its own attention and MLP: not the parent's
         eps = _cfg(config, "rms_norm_eps", 1e-6)
         self.self_attn = MLAAttention(config)
         dense = layer_idx < _cfg(config, "first_k_dense_replace", 0) or not _cfg(config, "n_routed_experts", 0)
         self.mlp = Expert(config.hidden_size, config.intermediate_size) if dense else DeepseekMoE(config, router_class)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-
-    def forward(self, rope, hidden, residual, kv_cache, meta):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")

@@ -31,12 +31,13 @@ from specdec.server.json_response import StrictJSONResponse
 from specdec.server.limits import RequestLimits
 from specdec.server.lora_models import LoRAModels
 from specdec.server.metrics import ServerMetrics
-from specdec.server.openapi import GENERATION_ROUTES, error_responses, generation_responses, install_openapi
+from specdec.server.openapi import (GENERATION_ROUTES, error_responses, generation_responses, install_openapi,
+                                    tokenize_responses)
 from specdec.server.prepare import Preparer, max_token_chars
 from specdec.server.protocol import APIError
 from specdec.server.reasoning import get_reasoning_parser
 from specdec.server.request_body import read_body
-from specdec.server.response_models import Health, ModelList, Version
+from specdec.server.response_models import DetokenizeResponse, Health, ModelList, TokenizeResponse, Version
 from specdec.server.serving import OpenAIServing
 from specdec.server.tokenize import Tokenization
 from specdec.server.tokenizer_pool import TokenizerPool
@@ -179,12 +180,12 @@ def build_app(engine: EngineCore, settings: ServerSettings) -> FastAPI:
 
     tokenization = Tokenization(preparer.check_model, limits, engine.max_model_len, engine.vocab_size)
 
-    @app.post("/tokenize", dependencies=v1)
+    @app.post("/tokenize", dependencies=v1, responses=tokenize_responses(TokenizeResponse))
     async def tokenize(request: Request):
         body = await read_body(request, limits.max_body_bytes, limits.body_timeout)
         return await pool.run(tokenization.tokenize, body)
 
-    @app.post("/detokenize", dependencies=v1)
+    @app.post("/detokenize", dependencies=v1, responses=tokenize_responses(DetokenizeResponse))
     async def detokenize(request: Request):
         body = await read_body(request, limits.max_body_bytes, limits.body_timeout)
         return await pool.run(tokenization.detokenize, body)

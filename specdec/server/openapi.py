@@ -55,12 +55,20 @@ def generation_responses(body: type[BaseModel], chunk: type[BaseModel]) -> dict:
             **error_responses(400, 401, 404, 408, 413, 415, 500, 503)}
 
 
+def tokenize_responses(body: type[BaseModel]) -> dict:
+    return {200: {"model": body}, **error_responses(400, 401, 404, 408, 413, 415, 503)}
+
+
 GENERATION_ROUTES = {"/v1/completions": (CompletionResponse, CompletionChunk),
                      "/v1/chat/completions": (ChatCompletionResponse, ChatCompletionChunk)}
 
 
-def request_bodies(models: RequestModels) -> dict[str, type[BaseModel]]:
-    return {"/v1/completions": models.completion, "/v1/chat/completions": models.chat}
+def request_bodies(models: RequestModels) -> dict[str, tuple[type[BaseModel], ...]]:
+    """Each POST route's request models (more than one: the body is any of them)."""
+    from specdec.server.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+
+    return {"/v1/completions": (models.completion,), "/v1/chat/completions": (models.chat,),
+            "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest), "/detokenize": (DetokenizeRequest,)}
 
 
 def model_schemas(model: type[BaseModel]) -> tuple[dict, dict]:
@@ -78,14 +86,17 @@ def install_openapi(app: FastAPI, models: RequestModels, max_body_bytes: int, ma
                                       "server's limits.")
         components = doc.setdefault("components", {}).setdefault("schemas", {})
         extra = [chunk for _, chunk in GENERATION_ROUTES.values()]
-        for path, model in request_bodies(models).items():
-            schema, defs = model_schemas(model)
-            for name, d in {**defs, model.__name__: schema}.items():
-                if components.get(name, d) != d:
-                    raise RuntimeError(f"two different schemas are named {name!r} in /openapi.json")
-                components[name] = d
+        for path, bodies in request_bodies(models).items():
+            for model in bodies:
+                schema, defs = model_schemas(model)
+                for name, d in {**defs, model.__name__: schema}.items():
+                    if components.get(name, d) != d:
+                        raise RuntimeError(f"two different schemas are named {name!r} in /openapi.json")
+                    components[name] = d
+            refs = [{"$ref": REF.format(model=model.__name__)} for model in bodies]
             doc["paths"][path]["post"]["requestBody"] = {
-                "required": True, "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}},
+                "required": True, "content": {"application/json": {"schema": refs[0] if len(refs) == 1
+                                                                   else {"anyOf": refs}}},
                 "description": f"strict JSON (no NaN / Infinity, nesting at most 32 deep), at most {max_body_bytes} "
                                f"bytes (--max-body-bytes, else 413); each JSON schema, regex, grammar or choice list, "
                                f"and all tools together, at most {max_schema_chars} characters as JSON "

@@ -185,3 +185,14 @@ class Health(_Out):
 
 class Version(_Out):
     version: str
+
+
+class TokenizeResponse(_Out):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(_Out):
+    prompt: str

@@ -27,7 +27,7 @@ class ScriptedEngine:
         self.broken_after_steps = broken_after_steps  # then every step fails, whoever is in it
         self.num_steps = 0
 
-    def add_request(self, request_id, prompt_token_ids, params, prompt=None):
+    def add_request(self, request_id, prompt_token_ids, params, prompt=None, lora_request=None):
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.groups[request_id] = (prompt_token_ids, params, [])
