@@ -1,8 +1,8 @@
 """Module transforms applied after loading (gpt-fast style): forward code has no quant branches.
 
 - ``PackedLinear``: on CPU, bf16 weights pre-packed once into oneDNN's blocked layout, so a
-  decode-sized matmul streams the weight at close to memory bandwidth (measured ~1.3-1.5x
-  ``F.linear`` at 1-32 rows on the development machine).
+  decode-sized matmul streams the weight at close to memory bandwidth (faster than ``F.linear``
+  at 1-32 rows).
 - ``Bf16WeightLinear``: on CPUs without bf16 arithmetic, where ``dtype="auto"`` is float32, the
   linears of a bf16 checkpoint keep their bf16 weights and multiply in float32
   (``woq_cpu.bf16_linear``): the values a float32 copy holds, half its bytes per decode step.
