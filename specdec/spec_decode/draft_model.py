@@ -33,7 +33,6 @@ from specdec.worker.request_state import CachedRequestState
 
 class DraftModelProposer(Proposer):
     name = "draft_model"
-    has_draft_model = True
     row_shift = 0  # draft s is fed at position num_tokens + s - 1 + row_shift (EAGLE: one earlier)
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int,

@@ -100,7 +100,6 @@ class Proposer(ABC):
     ``num_computed_tokens`` then covers what the target kept, and its newest token (the one
     the target just decided) is the only one without target KV."""
     name: str = "proposer"
-    has_draft_model: bool = False  # True when drafting costs a model forward per token
     needs_target_hidden: bool = False  # True: ``propose`` needs the step's ``TargetStates``, every step
 
     @abstractmethod

@@ -68,7 +68,7 @@ class Worker:
         lora_slots = self.lora.activate([r.lora_request for r in reqs]) if self.lora is not None else None
         inputs = prepare_target(self.runner, reqs, sched.num_scheduled_tokens, proposal, lora_slots)
         with profile_range("forward"):
-            if self.proposer is not None and self.proposer.needs_target_hidden:
+            if self.method is not None and self.method.needs_target_hidden:
                 logits, hidden = self.runner.forward_with_hidden(inputs.batch)
             else:
                 logits, hidden = self.runner.forward(inputs.batch), None
@@ -193,7 +193,7 @@ class Worker:
             return
         ks = [self._num_next_drafts(req, k) for req, k in zip(reqs, sched.num_spec_slots)]
         target = None
-        if self.proposer.needs_target_hidden:
+        if self.method.needs_target_hidden:
             if hidden is None:
                 raise RuntimeError(f"the {self.proposer.name} proposer needs the target's hidden states, which "
                                    "this target runner did not return")
@@ -203,7 +203,7 @@ class Worker:
         proposal = self.proposer.propose(reqs, ks, sched.tree_budget, grammar=self.structured_output, target=target)
         proposal = self.structured_output.prune(reqs, proposal)
         out.num_draft_first_pass_rows = proposal.num_first_pass_rows
-        if self.proposer.has_draft_model:
+        if self.method.has_draft_model:
             out.num_draft_passes = max(proposal.num_positions, default=0)
         first = 0
         for i, (req, drafts) in enumerate(zip(reqs, proposal.draft_token_ids)):

@@ -11,8 +11,7 @@ temperature 1, significance level 1e-3. Negative control: the same counts agains
 """
 from __future__ import annotations
 
-import numpy as np
-from test_spec_distribution import ALPHA, K, PROMPT, chi_square_p, exact_joint, sample_continuations
+from test_spec_distribution import K, check_speculative_samples_follow
 
 from specdec import LLM
 
@@ -29,16 +28,4 @@ def test_speculative_sampling_on_a_moe_target(make_model, make_char_tokenizer, m
     llm = LLM(model=target, dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1000,
               max_num_batched_tokens=8192,
               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": K})
-    vocab = llm.engine.vocab_size
-    prompt_ids = llm.tokenizer.encode(PROMPT)
-    counts = np.zeros((vocab,) * 3, dtype=np.int64)
-    for token_ids in sample_continuations(llm, prompt_ids, NUM_SAMPLES, 80_000, dict(temperature=1.0)):
-        counts[tuple(token_ids[:3])] += 1
-    m = llm.get_metrics()
-    assert m["num_draft_tokens"] > NUM_SAMPLES and 0.02 < m["acceptance_rate"] < 0.9
-
-    full = dict(temperature=1.0, top_k=0, top_p=1.0)
-    p_value = chi_square_p(counts, exact_joint(target, prompt_ids, vocab, **full))
-    assert p_value > ALPHA, f"speculative samples do not follow the MoE target (p = {p_value:.2e})"
-    control = chi_square_p(counts, exact_joint(target, prompt_ids, vocab, **(full | dict(temperature=1.15))))
-    assert control < ALPHA, f"negative control was not rejected (p = {control:.2e}): the test has no power"
+    check_speculative_samples_follow(llm, target, NUM_SAMPLES, "MoE target")

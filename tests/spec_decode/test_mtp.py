@@ -141,8 +141,7 @@ def test_head_matches_a_transformers_built_mtp_layer(target, prompts):
 
 
 def test_sampled_output_follows_the_target(make_model, make_char_tokenizer):
-    import numpy as np
-    from test_spec_distribution import ALPHA, K, PROMPT, chi_square_p, exact_joint, sample_continuations
+    from test_spec_distribution import K, check_speculative_samples_follow
 
     tok = make_char_tokenizer()
     shape = dict(DS, vocab_size=len(tok), hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64,
@@ -150,12 +149,4 @@ def test_sampled_output_follows_the_target(make_model, make_char_tokenizer):
     target = _add_mtp_layer(make_model("deepseek_v3_mtp_chars", **shape), seed=2)
     llm = LLM(model=target, dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1000,
               max_num_batched_tokens=8192, speculative_config={"method": "mtp", "num_speculative_tokens": K})
-    vocab, prompt_ids, num_samples = llm.engine.vocab_size, llm.tokenizer.encode(PROMPT), 4000
-    counts = np.zeros((vocab,) * 3, dtype=np.int64)
-    for token_ids in sample_continuations(llm, prompt_ids, num_samples, 80_000, dict(temperature=1.0)):
-        counts[tuple(token_ids[:3])] += 1
-    m = llm.get_metrics()
-    assert m["num_draft_tokens"] > num_samples and 0.02 < m["acceptance_rate"] < 0.9
-    full = dict(temperature=1.0, top_k=0, top_p=1.0)
-    assert chi_square_p(counts, exact_joint(target, prompt_ids, vocab, **full)) > ALPHA
-    assert chi_square_p(counts, exact_joint(target, prompt_ids, vocab, **dict(full, temperature=1.15))) < ALPHA
+    check_speculative_samples_follow(llm, target, 4000, "target with MTP drafts")

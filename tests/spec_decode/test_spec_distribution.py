@@ -135,6 +135,25 @@ def sample_continuations(llm: LLM, prompt_ids: list[int], num_samples: int, seed
     return out
 
 
+def check_speculative_samples_follow(llm: LLM, target: str, num_samples: int, what: str) -> None:
+    """Sample ``num_samples`` first-three-token continuations of PROMPT at temperature 1 from a
+    speculating ``llm`` and check them against ``target``'s exact joint (p > ALPHA), with drafts
+    really tried and sometimes rejected, and the negative control (the target at temperature 1.15)
+    rejected (p < ALPHA)."""
+    vocab = llm.engine.vocab_size
+    prompt_ids = llm.tokenizer.encode(PROMPT)
+    counts = np.zeros((vocab,) * 3, dtype=np.int64)
+    for token_ids in sample_continuations(llm, prompt_ids, num_samples, 80_000, dict(temperature=1.0)):
+        counts[tuple(token_ids[:3])] += 1
+    m = llm.get_metrics()
+    assert m["num_draft_tokens"] > num_samples and 0.02 < m["acceptance_rate"] < 0.9
+    full = dict(temperature=1.0, top_k=0, top_p=1.0)
+    p_value = chi_square_p(counts, exact_joint(target, prompt_ids, vocab, **full))
+    assert p_value > ALPHA, f"speculative samples do not follow the {what} (p = {p_value:.2e})"
+    control = chi_square_p(counts, exact_joint(target, prompt_ids, vocab, **(full | dict(temperature=1.15))))
+    assert control < ALPHA, f"negative control was not rejected (p = {control:.2e}): the test has no power"
+
+
 TREE = dict(tree_topk=3, tree_nodes=7)  # token trees: children tried in turn against the residual
 DRAFT_VOCAB = dict(draft_vocab_size=20)  # the draft's LM head cut to 20 of the 30 tokens (q = 0 elsewhere)
 
