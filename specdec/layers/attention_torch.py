@@ -28,8 +28,7 @@ def _grouped_attention(
     round them to 8 mantissa bits before the softmax). Each operand is converted and laid out for
     its matmul in one copy ([R, Hkv, L, D]: K is read transposed by BLAS, V as it is), the scale
     goes on the few query rows instead of the scores, and with a ``workspace`` these buffers are
-    allocated once per step instead of once per layer (fresh multi-MB buffers page-fault: the
-    same batch-32 call took 1.7-6.7 ms with per-call buffers)."""
+    allocated once per step instead of once per layer (fresh multi-MB buffers page-fault)."""
     num_reqs, q_len, num_heads, head_dim = q.shape
     num_kv_heads, seq_len = k.shape[2], k.shape[1]
     group = num_heads // num_kv_heads
@@ -157,11 +156,9 @@ def paged_attention_torch(
     decode steps, or verification steps with one K) all requests go through one grouped
     attention over keys gathered into a padded [R, L] batch and masked per request; mixed
     steps (prefill chunks next to decode rows, or adaptive K giving requests different
-    verification lengths) run that once per distinct query length, not once per request
-    (measured: a batch-32 step with a few K > 0 requests cost 6-10% more than a pure decode
-    step when it went request by request). The gather table and the mask are built once per
-    step, not once per layer (measured on the 1.1B Llama at K = 5: attention 10.1 -> 5.3 ms of a
-    52 ms step). A sliding layer gathers only its window's blocks."""
+    verification lengths) run that once per distinct query length, not once per request. The
+    gather table and the mask are built once per step, not once per layer. A sliding layer
+    gathers only its window's blocks."""
     if meta.uniform_query_len is None and meta.max_query_len > MAX_PADDED_QUERY_LEN:
         # prefill chunks among them: one call per length
         out = torch.empty_like(query)
@@ -169,8 +166,8 @@ def paged_attention_torch(
             out[rows] = paged_attention_torch(query[rows], kv_cache, sub, scale, sliding_window=sliding_window,
                                               sinks=sinks, softcap=softcap)
         return out
-    # decode rows next to verification rows of different K are padded to the longest, one call
-    # (a call per length cost ~10 ms per batch-32 step on a 30-layer model)
+    # decode rows next to verification rows of different K are padded to the longest: one call
+    # costs less than one per length
     plan = _torch_plan(meta, sliding_window)
     num_reqs = meta.num_reqs
     num_heads, head_dim = query.shape[1], query.shape[2]
