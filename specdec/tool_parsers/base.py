@@ -19,6 +19,7 @@ import functools
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _DECODER = json.JSONDecoder(strict=False)  # control characters in strings: see escape_controls
@@ -85,6 +86,42 @@ def held_back_prefix(text: str, tag: str) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def scan_tagged(text: str, final: bool, open_tag: str, close_tag: str,
+                complete: Callable[[str, int, int], ToolCall | None],
+                partial: Callable[[str, int, int], ToolCall | None]) -> ParsedOutput:
+    """The content and calls of a format that wraps each call in ``open_tag`` ... ``close_tag``.
+    ``complete(text, body, end)``: the finished call between ``body`` and ``end``, else None;
+    ``partial(text, body, end)``: the call so far of a tag still being written (streaming). A
+    malformed tag stays in the content; an opening tag that may still be arriving is held back."""
+    content: list[str] = []
+    calls = []
+    pos = 0
+    while True:
+        start = text.find(open_tag, pos)
+        if start < 0:
+            tail = text[pos:]
+            content.append(tail if final else tail[:len(tail) - held_back_prefix(tail, open_tag)])
+            break
+        content.append(text[pos:start])
+        body = start + len(open_tag)
+        close = text.find(close_tag, body)
+        end = close if close >= 0 else len(text)
+        call = complete(text, body, end)
+        if call is not None:
+            calls.append(call)
+        elif close >= 0 or final:
+            content.append(text[start:end + (len(close_tag) if close >= 0 else 0)])
+        else:  # still being written
+            call = partial(text, body, end)
+            if call is not None:
+                calls.append(call)
+            break
+        if close < 0:
+            break
+        pos = close + len(close_tag)
+    return ParsedOutput("".join(content).strip() or None, calls)
+
+
 def _header(keys: tuple[str, ...]) -> re.Pattern:
     alternatives = "|".join(re.escape(k) for k in keys)
     return re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:' + alternatives + r')"\s*:\s*')

@@ -15,10 +15,12 @@ import json
 
 from specdec.tool_parsers.base import (
     ParsedOutput,
+    ToolCall,
     ToolParser,
     held_back_prefix,
     parse_call_object,
     partial_call_object,
+    scan_tagged,
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -37,30 +39,11 @@ class HermesToolParser(ToolParser):
         return f"}}\n{CLOSE}"
 
     def scan(self, text: str, final: bool) -> ParsedOutput:
-        content: list[str] = []
-        calls = []
-        pos = 0
-        while True:
-            start = text.find(OPEN, pos)
-            if start < 0:
-                tail = text[pos:]
-                content.append(tail if final else tail[:len(tail) - held_back_prefix(tail, OPEN)])
-                break
-            content.append(text[pos:start])
-            body = start + len(OPEN)
-            close = text.find(CLOSE, body)
-            end = close if close >= 0 else len(text)
+        def complete(text: str, body: int, end: int) -> ToolCall | None:
             call, after = parse_call_object(text[:end], body, _KEYS)
-            if call is not None and text[after:end].strip() == "":
-                calls.append(call)
-            elif close >= 0 or final:
-                content.append(text[start:end + (len(CLOSE) if close >= 0 else 0)])
-            else:  # an open tag still being written; its close tag may be starting
-                partial = partial_call_object(text[:end - held_back_prefix(text[:end], CLOSE)], body, _KEYS)
-                if partial is not None:
-                    calls.append(partial)
-                break
-            if close < 0:
-                break
-            pos = close + len(CLOSE)
-        return ParsedOutput("".join(content).strip() or None, calls)
+            return call if call is not None and text[after:end].strip() == "" else None
+
+        def partial(text: str, body: int, end: int) -> ToolCall | None:  # its close tag may be starting
+            return partial_call_object(text[:end - held_back_prefix(text[:end], CLOSE)], body, _KEYS)
+
+        return scan_tagged(text, final, OPEN, CLOSE, complete, partial)

@@ -24,7 +24,7 @@ import ast
 import json
 import re
 
-from specdec.tool_parsers.base import ParsedOutput, ToolCall, ToolParser, held_back_prefix
+from specdec.tool_parsers.base import ParsedOutput, ToolCall, ToolParser, scan_tagged
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_END = "</function>"
@@ -46,32 +46,11 @@ class Qwen3CoderToolParser(ToolParser):
         return Qwen3CoderToolParser(types)
 
     def scan(self, text: str, final: bool) -> ParsedOutput:
-        content: list[str] = []
-        calls = []
-        pos = 0
-        while True:
-            start = text.find(OPEN, pos)
-            if start < 0:
-                tail = text[pos:]
-                content.append(tail if final else tail[:len(tail) - held_back_prefix(tail, OPEN)])
-                break
-            content.append(text[pos:start])
-            body = start + len(OPEN)
-            close = text.find(CLOSE, body)
-            end = close if close >= 0 else len(text)
+        def complete(text: str, body: int, end: int) -> ToolCall | None:
             call = self._call(text[body:end])
-            if call is not None and call.complete:
-                calls.append(call)
-            elif close >= 0 or final:
-                content.append(text[start:end + (len(CLOSE) if close >= 0 else 0)])
-            else:  # still being written
-                if call is not None:
-                    calls.append(call)
-                break
-            if close < 0:
-                break
-            pos = close + len(CLOSE)
-        return ParsedOutput("".join(content).strip() or None, calls)
+            return call if call is not None and call.complete else None
+
+        return scan_tagged(text, final, OPEN, CLOSE, complete, lambda text, body, end: self._call(text[body:end]))
 
     def _call(self, inner: str) -> ToolCall | None:
         """The call in one tag's text: complete once ``</function>`` closes it; None if malformed
