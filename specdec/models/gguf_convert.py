@@ -19,15 +19,14 @@ temporary folder and renames it into place.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specdec.models.gguf_quant import read_quantized_linears, save_quantized_linears
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
 
 # llama.cpp (llama-vocab.cpp) stops on these besides the eos/eot/eom ids the file names.
 _END_OF_GENERATION_TOKENS = (
@@ -49,7 +48,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: torch.dty
     if any(out_dir.iterdir()):
         raise FileExistsError(f"conversion target {out_dir} is not empty")
     metadata = read_gguf_metadata(gguf_path)
-    config = read_config(gguf_path)
+    config = read_config(gguf_path, metadata)
     config.dtype = dtype
     quantized, replaced = (read_quantized_linears(gguf_path, config, metadata["architecture"]) if keep_quantized
                            else ({}, set()))
@@ -72,6 +71,10 @@ def read_gguf_metadata(gguf_path: Path) -> dict:
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{gguf_path}: GGUF architecture {architecture!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if architecture != "qwen3moe" and metadata.get(f"{architecture}.expert_count"):
+        raise ValueError(f"{gguf_path}: a mixture-of-experts {architecture!r} GGUF (Mixtral-style, "
+                         f"{architecture}.expert_count = {metadata[f'{architecture}.expert_count']}) is not "
+                         f"supported; load its safetensors checkpoint instead")
     return {
         "architecture": architecture,
         "tensor_names": list(tensor_names),
@@ -80,15 +83,18 @@ def read_gguf_metadata(gguf_path: Path) -> dict:
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
         "eos_token_ids": [metadata.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")],
+        "expert_feed_forward_length": metadata.get(f"{architecture}.expert_feed_forward_length"),
     }
 
 
-def read_config(gguf_path: Path):
+def read_config(gguf_path: Path, metadata: dict | None = None):
     """transformers' config for the file, marked bf16 and with its model class named."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     config.__dict__.pop("_model_name_or_path", None)  # the GGUF's `general.name`, not a path
+    if metadata and metadata.get("expert_feed_forward_length"):  # not in transformers' GGUF key map
+        config.moe_intermediate_size = int(metadata["expert_feed_forward_length"])
     model_class = AutoModelForCausalLM._model_mapping[type(config)]
     config.architectures = [model_class.__name__]
     return config
@@ -97,7 +103,13 @@ def read_config(gguf_path: Path):
 def read_weights(gguf_path: Path, config, metadata: dict, *, dtype: torch.dtype,
                  progress: bool, kept_quantized: set[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Dequantized tensors under transformers names, each checked against the model's shape;
-    the names in ``kept_quantized`` (stored by ``gguf_quant``) are left out."""
+    the names in ``kept_quantized`` (stored by ``gguf_quant``) are left out and never dequantized.
+
+    transformers' tensor processors do the renaming and un-permuting, one tensor at a time
+    over ``GGUFReader``'s memory map (its ``load_gguf_checkpoint`` would dequantize every tensor,
+    kept ones included, and hold stacked experts in float32)."""
+    from gguf import GGUFReader, dequantize
+    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
@@ -111,10 +123,19 @@ def read_weights(gguf_path: Path, config, metadata: dict, *, dtype: torch.dtype,
         expected.pop("lm_head.weight", None)
     for name in kept_quantized:
         expected.pop(name, None)
-    with _tqdm_in(gguf_utils, disable=not progress):
-        parsed = gguf_utils.load_gguf_checkpoint(str(gguf_path), return_tensors=True,
-                                                 model_to_load=model, torch_dtype=dtype)
-    tensors = {name: t.contiguous() for name, t in parsed["tensors"].items() if name in expected}
+    processor = gguf_utils.TENSOR_PROCESSORS.get(metadata["architecture"], gguf_utils.TensorProcessor)(
+        config=config.to_dict())
+    name_map = gguf_utils.get_gguf_hf_weights_map(model, processor)
+    parsed = {"tensors": {}}  # where transformers' MoE processor puts the experts it stacks
+    for tensor in tqdm(GGUFReader(str(gguf_path)).tensors, desc="dequantize GGUF tensors", disable=not progress):
+        hf_name = name_map.get(tensor.name, name_map.get(tensor.name.removesuffix(".weight")))
+        if hf_name not in expected:  # not a model weight, or kept quantized
+            continue
+        result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
+                                   tensor_key_mapping=name_map, parsed_parameters=parsed)
+        if result.name in name_map:
+            parsed["tensors"][name_map[result.name]] = torch.from_numpy(np.copy(result.weights)).to(dtype)
+    tensors = {name: t.to(dtype).contiguous() for name, t in parsed["tensors"].items() if name in expected}
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ValueError(f"{gguf_path}: GGUF lacks {len(missing)} tensors the model needs, "
@@ -122,7 +143,26 @@ def read_weights(gguf_path: Path, config, metadata: dict, *, dtype: torch.dtype,
     wrong = [(n, tuple(t.shape), expected[n]) for n, t in tensors.items() if tuple(t.shape) != expected[n]]
     if wrong:
         raise ValueError(f"{gguf_path}: tensor shapes differ from the config, e.g. {wrong[:3]}")
-    return tensors
+    return split_stacked_experts(tensors)
+
+
+def split_stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' stacked expert parameters (``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows
+    first; ``mlp.experts.down_proj`` [E, H, I]) -> one checkpoint weight per expert and matrix
+    (``mlp.experts.<e>.{gate,up,down}_proj.weight``), the names published checkpoints use."""
+    out = {}
+    for name, t in tensors.items():
+        prefix, _, kind = name.rpartition(".experts.")
+        if kind == "gate_up_proj" and t.ndim == 3:
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                out[f"{prefix}.experts.{e}.gate_proj.weight"] = gate[e].clone()
+                out[f"{prefix}.experts.{e}.up_proj.weight"] = up[e].clone()
+        elif kind == "down_proj" and t.ndim == 3:
+            out.update({f"{prefix}.experts.{e}.down_proj.weight": t[e].clone() for e in range(t.shape[0])})
+        else:
+            out[name] = t
+    return out
 
 
 def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -169,15 +209,3 @@ def build_generation_config(metadata: dict, config):
         eos_token_id=eos_ids if len(eos_ids) != 1 else eos_ids[0],
         pad_token_id=int(pad_id) if pad_id is not None else (eos_ids[0] if eos_ids else None),
     )
-
-
-@contextlib.contextmanager
-def _tqdm_in(module, *, disable: bool):
-    """load_gguf_checkpoint always shows its own tqdm bar; let `progress=False` silence it."""
-    original = module.tqdm
-    module.tqdm = functools.partial(original, disable=disable)
-    try:
-        yield
-    finally:
-        module.tqdm = original
-

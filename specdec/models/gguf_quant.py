@@ -19,7 +19,10 @@ offsets are computed as ``gguf`` computes them. Other types (Q5_K, Q3_K, ...) ar
 ``gguf_convert`` as before. specdec fuses q/k/v and gate/up into one linear: parts of one format
 are concatenated (int8 scales repeated down to the smallest group), and a group whose parts
 have different formats (Q4_K_M's Q4_K q/k with a Q6_K v) is kept as a list of parts. llama.cpp's
-row permutation of Llama Q/K is undone on the quantized rows.
+row permutation of Llama Q/K is undone on the quantized rows. Mixture-of-experts files stack each
+layer's experts (``blk.<i>.ffn_{gate,up,down}_exps``, [E, N, K]): every expert is kept as its own
+``layers.<i>.mlp.experts.<e>.{gate_up_proj,down_proj}``, so the grouped MoE layer runs the same
+kernels per expert as a dense linear.
 ``woq/linears.safetensors`` holds ``<module>.qweight`` + ``.scales`` (int8) or ``.packed`` +
 ``.scales`` + ``.offsets`` (int4), under specdec module names (``layers.0.self_attn.qkv_proj``),
 with ``<module>.part<i>.<field>`` for the parts of a mixed group.
@@ -41,7 +44,11 @@ _PARTS = {  # GGUF tensor (per layer) -> (specdec module, part index in the fuse
     "attn_output": ("self_attn.o_proj", 0), "ffn_gate": ("mlp.gate_up_proj", 0), "ffn_up": ("mlp.gate_up_proj", 1),
     "ffn_down": ("mlp.down_proj", 0),
 }
-_NUM_PARTS = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2}
+# mixture-of-experts layers: llama.cpp stacks the experts' matrices, [E, N, blocks of K]; each
+# expert becomes its own module ``layers.<i>.mlp.experts.<e>.<name>`` (``layers.moe.Expert``)
+_EXPERT_PARTS = {"ffn_gate_exps": ("gate_up_proj", 0), "ffn_up_exps": ("gate_up_proj", 1),
+                 "ffn_down_exps": ("down_proj", 0)}
+_NUM_PARTS = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2, "experts.gate_up_proj": 2}
 _HF_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 _FP16_ONE = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
@@ -139,8 +146,30 @@ def _concat(parts: list) -> Int8Weight | Int4Weight | tuple:
     return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in _fields(parts[0])))
 
 
+def _module_kind(module: str) -> str:
+    """``layers.3.mlp.gate_up_proj`` -> ``mlp.gate_up_proj``; ``layers.3.mlp.experts.7.down_proj`` ->
+    ``experts.down_proj``; ``lm_head`` -> itself."""
+    pieces = module.split(".")
+    if len(pieces) == 6 and pieces[3] == "experts":
+        return f"experts.{pieces[5]}"
+    return module.split(".", 2)[-1] if module != "lm_head" else module
+
+
+def _replaced_names(module: str, kind: str) -> list[str]:
+    """The transformers weights a kept module stands for (an expert: its layer's stacked tensor)."""
+    if module == "lm_head":
+        return ["lm_head.weight"]
+    layer = ".".join(module.split(".")[:2])
+    if kind.startswith("experts."):
+        return [f"model.{layer}.mlp.{kind}"]  # transformers' [E, ...] parameter of every expert
+    if kind in _HF_PARTS:
+        return [f"model.{layer}.{p}.weight" for p in _HF_PARTS[kind]]
+    return [f"model.{module}.weight"]
+
+
 def read_quantized_linears(gguf_path: Path, config, architecture: str) -> tuple[dict, set[str]]:
-    """({specdec module name: weight}, the transformers weight names they replace)."""
+    """({specdec module name: weight}, the transformers weight names they replace). The file is
+    read through ``GGUFReader``'s memory map: only the kept weights are materialised."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf_path))
@@ -148,12 +177,21 @@ def read_quantized_linears(gguf_path: Path, config, architecture: str) -> tuple[
     found: dict[str, dict[int, tuple[int, object]]] = {}
     for tensor in reader.tensors:
         qtype = int(tensor.tensor_type)
-        if qtype not in types or tensor.data.ndim != 2 or int(tensor.shape[0]) % types[qtype][0]:
+        if qtype not in types or tensor.data.ndim not in (2, 3) or int(tensor.shape[0]) % types[qtype][0]:
             continue
         pieces = tensor.name.split(".")
+        is_layer = len(pieces) == 4 and pieces[0] == "blk" and pieces[3] == "weight"
+        if tensor.data.ndim == 3:
+            if not (is_layer and pieces[2] in _EXPERT_PARTS):
+                continue
+            name, part = _EXPERT_PARTS[pieces[2]]
+            for expert, rows in enumerate(tensor.data):
+                module = f"layers.{pieces[1]}.mlp.experts.{expert}.{name}"
+                found.setdefault(module, {})[part] = (qtype, _blocks_to_weight(rows, qtype))
+            continue
         if tensor.name == "output.weight" and not config.tie_word_embeddings:
             module, part = "lm_head", 0
-        elif len(pieces) == 4 and pieces[0] == "blk" and pieces[2] in _PARTS and pieces[3] == "weight":
+        elif is_layer and pieces[2] in _PARTS:
             name, part = _PARTS[pieces[2]]
             module = f"layers.{pieces[1]}.{name}"
             if architecture == "llama" and pieces[2] in ("attn_q", "attn_k"):
@@ -165,15 +203,12 @@ def read_quantized_linears(gguf_path: Path, config, architecture: str) -> tuple[
         found.setdefault(module, {})[part] = (qtype, _blocks_to_weight(tensor.data, qtype))
     kept, replaced = {}, set()
     for module, parts in found.items():
-        kind = module.split(".", 2)[-1] if module != "lm_head" else module
+        kind = _module_kind(module)
         num_parts = _NUM_PARTS.get(kind, 1)
         if len(parts) != num_parts:
             continue  # a fused group with a part of a type not kept: dequantized like that part
         kept[module] = _concat([parts[i][1] for i in range(num_parts)])
-        prefix = "" if module == "lm_head" else "model."
-        layer = module.rsplit(".", 2)[0] if module != "lm_head" else ""
-        names = [f"{layer}.{p}" for p in _HF_PARTS[kind]] if kind in _HF_PARTS else [module]
-        replaced.update(f"{prefix}{name}.weight" for name in names)
+        replaced.update(_replaced_names(module, kind))
     return kept, replaced
 
 
@@ -227,10 +262,11 @@ def load_quantized_linears(folder: str | Path) -> dict[str, Int8Weight | Int4Wei
 def install_quantized_linears(model: nn.Module, linears: dict, dtype: torch.dtype, device: torch.device) -> None:
     """Swap each named ``nn.Linear`` for a ``WeightOnlyLinear`` over its stored weight (a tuple of
     parts: over its parts, outputs concatenated); a bias stays a parameter of the new module, for
-    the checkpoint loader to fill."""
+    the checkpoint loader to fill. ``linears`` is emptied."""
     from specdec.layers.quantization import PartsLinear, WeightOnlyLinear, weight_shape
 
-    for name, weight in linears.items():
+    for name in list(linears):
+        weight = linears.pop(name)  # dropped as installed: a layer that repacks never holds two copies of all
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, child)

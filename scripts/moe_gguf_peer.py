@@ -1,0 +1,137 @@
+"""A random mixture-of-experts model with the per-layer shapes of Qwen3-30B-A3B (hidden 2048, 128
+experts of 768, top-8, 32 query / 4 kv heads of 128; 12 layers by default, Qwen2.5's vocabulary),
+converted to GGUF Q4_K_M by llama.cpp's own tools, then specdec vs llama.cpp on that file.
+
+    # once (minutes; ~16 GB of bf16 safetensors, 16 GB bf16 GGUF (deleted), 4.6 GB Q4_K_M):
+    nice -n 10 python scripts/moe_gguf_peer.py build
+    # the speed goal: specdec plain decode vs llama-bench, alternated; v(K) and experts read:
+    PYTHONPATH=. python scripts/moe_gguf_peer.py run --output-json bench_results/moe_gguf_peer.json
+
+Weights: N(0, 0.02) matrices, unit norms; the router rows N(0, 0.3) so that its softmax is peaked
+but different rows pick different experts (routing is really exercised, as in a trained model).
+``run`` reports, all in one process and alternated ``--rounds`` times: specdec's plain decode
+tokens/s (batch 1, ``--threads`` threads, ``--tokens`` new tokens) on the Q4_K_M file and
+``llama-bench -m F -p 0 -n TOKENS -t THREADS``; then v(K) = t(K+1 rows) / t(1 row) of one
+target forward at a decode position for K = 1..7, on this MoE and on the dense 1.5B GGUF, and the
+mean distinct experts per MoE layer read by one row and by K+1 rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_DIR = Path.home() / ".cache" / "specdec" / "moe30b"
+TOKENIZER_FROM = Path.home() / ".cache" / "specdec" / "models" / "Qwen2.5-Coder-0.5B-Instruct"
+DENSE_GGUF = Path.home() / ".cache" / "specdec" / "downloads" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+SHAPE = dict(hidden_size=2048, num_experts=128, moe_intermediate_size=768, num_experts_per_tok=8,
+             num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+             vocab_size=151936, norm_topk_prob=True, tie_word_embeddings=False, rms_norm_eps=1e-6,
+             rope_theta=1e6, max_position_embeddings=4096)
+MATRIX_STD, ROUTER_STD = 0.02, 0.3
+
+
+def llama_cpp_dirs() -> tuple[Path, Path]:
+    from specdec.bench.peers.llama_cpp import find_bin_dir, source_dir
+
+    bin_dir, why = find_bin_dir()
+    src = source_dir(bin_dir)
+    if bin_dir is None or src is None:
+        sys.exit(f"llama.cpp not found: {why} (scripts/build_llama_cpp.sh builds it)")
+    return bin_dir, src
+
+
+def write_checkpoint(folder: Path, num_layers: int, seed: int) -> None:
+    """config.json, tokenizer, and one bf16 safetensors shard per layer (per-expert HF names),
+    written layer by layer so memory stays at one layer (~1.2 GB)."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, Qwen3MoeConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_FROM)
+    config = Qwen3MoeConfig(num_hidden_layers=num_layers, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                            **SHAPE)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.dtype = torch.bfloat16
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    gen = torch.Generator().manual_seed(seed)
+    h, i, e = SHAPE["hidden_size"], SHAPE["moe_intermediate_size"], SHAPE["num_experts"]
+    q, kv = SHAPE["num_attention_heads"] * SHAPE["head_dim"], SHAPE["num_key_value_heads"] * SHAPE["head_dim"]
+
+    def rand(*shape, std=MATRIX_STD):
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+
+    weight_map = {}
+
+    def save(name: str, tensors: dict) -> None:
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in tensors})
+        print(f"wrote {name}", flush=True)
+
+    save("model-embed.safetensors", {"model.embed_tokens.weight": rand(SHAPE["vocab_size"], h),
+                                     "lm_head.weight": rand(SHAPE["vocab_size"], h),
+                                     "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)})
+    for layer in range(num_layers):
+        p = f"model.layers.{layer}."
+        t = {p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+             p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+             p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
+             p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
+             p + "self_attn.q_norm.weight": torch.ones(SHAPE["head_dim"], dtype=torch.bfloat16),
+             p + "self_attn.k_norm.weight": torch.ones(SHAPE["head_dim"], dtype=torch.bfloat16),
+             p + "mlp.gate.weight": rand(e, h, std=ROUTER_STD)}
+        for x in range(e):
+            t[f"{p}mlp.experts.{x}.gate_proj.weight"] = rand(i, h)
+            t[f"{p}mlp.experts.{x}.up_proj.weight"] = rand(i, h)
+            t[f"{p}mlp.experts.{x}.down_proj.weight"] = rand(h, i)
+        save(f"model-layer{layer:02d}.safetensors", t)
+        del t
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def build(args) -> None:
+    out = Path(args.dir)
+    hf, bf16_gguf, q4 = out / "hf", out / "moe-bf16.gguf", out / "moe-Q4_K_M.gguf"
+    bin_dir, src = llama_cpp_dirs()
+    free = shutil.disk_usage(out.parent if not out.exists() else out).free
+    if not q4.exists() and free < 40e9:
+        sys.exit(f"needs ~40 GB free disk in {out} while building, {free / 1e9:.1f} GB free")
+    if not (hf / "model.safetensors.index.json").exists():
+        write_checkpoint(hf, args.layers, args.seed)
+    if not q4.exists():
+        if not bf16_gguf.exists():
+            subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16",
+                            "--outfile", str(bf16_gguf)], check=True)
+        subprocess.run([str(bin_dir / "llama-quantize"), str(bf16_gguf), str(q4), "Q4_K_M", str(args.threads)],
+                       check=True)
+        bf16_gguf.unlink()
+    if not args.keep_safetensors:
+        for f in hf.glob("*.safetensors"):
+            f.unlink()
+    print(f"{q4}: {q4.stat().st_size / 1e9:.2f} GB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    b = commands.add_parser("build", help="write the random checkpoint, convert and quantize it")
+    b.add_argument("--dir", default=str(DEFAULT_DIR))
+    b.add_argument("--layers", type=int, default=12)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--keep-safetensors", action="store_true", help="keep the bf16 checkpoint (~16 GB)")
+    args = parser.parse_args()
+    {"build": build}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
