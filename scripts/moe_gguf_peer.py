@@ -120,6 +120,91 @@ def build(args) -> None:
     print(f"{q4}: {q4.stat().st_size / 1e9:.2f} GB")
 
 
+def specdec_decode_tps(llm, tokens: int) -> float:
+    """Decode tokens/s of one request (batch 1): the first token (prefill) excluded, as llama-bench's
+    ``-p 0`` excludes the prompt."""
+    from specdec import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [151643, 785, 3974, 13876]}], params, use_tqdm=False)[0]
+    m = out.metrics
+    return (len(out.outputs[0].token_ids) - 1) / (m.finished_time - m.first_token_time)
+
+
+def llama_bench_tps(bin_dir: Path, gguf: Path, tokens: int, threads: int, log: Path) -> dict:
+    from specdec.bench.peers.llama_cpp import run_bench
+
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads),
+           "-o", "json"]
+    return run_bench(cmd, log)
+
+
+def verification_costs(llm, max_k: int, context: int) -> dict:
+    """v(K) = t(K+1 rows) / t(1 row) of one target forward after ``context`` cached positions, and
+    the mean distinct experts per MoE layer those rows read (None for a dense model)."""
+    from specdec.layers.moe import moe_layers
+    from specdec.worker.calibrate import time_verify_forward
+
+    runner = llm.engine.executor.driver_worker.runner
+    layers = moe_layers(runner.model)
+    seconds, experts = {}, {}
+    for rows in range(1, max_k + 2):
+        seconds[rows] = time_verify_forward(runner, 1, rows, context)
+        if layers:
+            for layer in layers:
+                layer.stats.reset()
+            time_verify_forward(runner, 1, rows, context, repeats=0)
+            experts[rows] = statistics.mean(m.stats.last_experts_read for m in layers)
+    return {"t1_ms": seconds[1] * 1e3,
+            "v": {k: seconds[k + 1] / seconds[1] for k in range(1, max_k + 1)},
+            "experts_per_layer": experts or None}
+
+
+def run(args) -> None:
+    from specdec import LLM
+    from specdec.bench.report import cpu_header
+
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    q4 = Path(args.gguf or Path(args.dir) / "moe-Q4_K_M.gguf")
+    if not q4.is_file():
+        sys.exit(f"{q4} does not exist: run `python scripts/moe_gguf_peer.py build` first")
+    bin_dir, _ = llama_cpp_dirs()
+    logs = Path(args.log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    engine = dict(device="cpu", max_model_len=512, spec_cost_calibration=False)
+    if args.quantization:
+        engine["quantization"] = args.quantization
+    t = time.perf_counter()
+    llm = LLM(model=str(q4), **engine)
+    load_s = time.perf_counter() - t
+    specdec_decode_tps(llm, 16)  # warm-up: kernels built and chosen
+    rounds = []
+    for r in range(args.rounds):  # alternated, so load on the machine hits both engines alike
+        ours = specdec_decode_tps(llm, args.tokens)
+        peer = llama_bench_tps(bin_dir, q4, args.tokens, args.threads, logs / f"llama_bench_{r}.log")
+        rounds.append({"specdec_tps": ours, "llama_cpp_tps": peer["tokens_per_s"],
+                       "llama_cpp_samples": peer["samples_tokens_per_s"]})
+        print(f"round {r}: specdec {ours:.2f} tok/s, llama.cpp {peer['tokens_per_s']:.2f} tok/s", flush=True)
+    moe = verification_costs(llm, args.max_k, args.context)
+    del llm
+    dense = None
+    if DENSE_GGUF.is_file() and not args.skip_dense:
+        dense = verification_costs(LLM(model=str(DENSE_GGUF), **engine), args.max_k, args.context)
+    print(cpu_header(argparse.Namespace(device="cpu")))
+    result = {
+        "machine": cpu_header(argparse.Namespace(device="cpu")),
+        "gguf": str(q4), "threads": args.threads, "tokens": args.tokens, "quantization": args.quantization,
+        "load_s": load_s, "rounds": rounds,
+        "specdec_over_llama_cpp": statistics.median(r["specdec_tps"] / r["llama_cpp_tps"] for r in rounds),
+        "moe_verification": moe, "dense_1p5b_verification": dense,
+    }
+    print(json.dumps(result, indent=1, default=str))
+    if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_json).write_text(json.dumps(result, indent=1, default=str))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -129,8 +214,20 @@ def main() -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--keep-safetensors", action="store_true", help="keep the bf16 checkpoint (~16 GB)")
+    r = commands.add_parser("run", help="specdec vs llama-bench on the Q4_K_M file; v(K); experts read")
+    r.add_argument("--dir", default=str(DEFAULT_DIR))
+    r.add_argument("--gguf", default=None, help="default: DIR/moe-Q4_K_M.gguf")
+    r.add_argument("--threads", type=int, default=2)
+    r.add_argument("--tokens", type=int, default=128)
+    r.add_argument("--rounds", type=int, default=2)
+    r.add_argument("--quantization", default=None, help="e.g. w4a8 (int8 activations over the file's weights)")
+    r.add_argument("--max-k", type=int, default=7)
+    r.add_argument("--context", type=int, default=64, help="cached positions before the timed rows")
+    r.add_argument("--skip-dense", action="store_true", help="no v(K) of the dense 1.5B GGUF")
+    r.add_argument("--log-dir", default="bench_results/moe_gguf_peer_logs")
+    r.add_argument("--output-json", default=None)
     args = parser.parse_args()
-    {"build": build}[args.command](args)
+    {"build": build, "run": run}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -131,6 +131,8 @@ def grouped_experts(x: torch.Tensor, routing: Routing, experts: Sequence[nn.Modu
     all of its rows. x: [T, H] -> [T, H]. Experts are visited in increasing id and their outputs
     accumulated in that order (transformers' order, so float32 sums agree)."""
     num_rows, top_k = routing.expert_ids.shape
+    if num_rows == 1:
+        return _one_row_experts(x, routing, experts, stats)
     flat_ids = routing.expert_ids.reshape(-1)  # [T * k]: pair p is row p // k, choice p % k
     order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
     counts = torch.bincount(flat_ids, minlength=len(experts)).tolist()
@@ -154,6 +156,26 @@ def grouped_experts(x: torch.Tensor, routing: Routing, experts: Sequence[nn.Modu
         stats.last_experts_read = touched
         if stats.recording:
             stats.history.append(touched)
+    return out
+
+
+def _one_row_experts(x: torch.Tensor, routing: Routing, experts: Sequence[nn.Module],
+                     stats: MoEStats | None) -> torch.Tensor:
+    """``grouped_experts`` for one row (batch-1 decode): the same expert calls, products and sums in
+    the same order (increasing id), without the sort, count and scatter that grouping needs, whose
+    per-call cost is comparable to a small expert's at one row."""
+    ids = routing.expert_ids[0].tolist()
+    weights = routing.weights[0]
+    out = torch.zeros_like(x)
+    for choice in sorted(range(len(ids)), key=ids.__getitem__):
+        out += (experts[ids[choice]](x) * weights[choice:choice + 1]).to(x.dtype)
+    if stats is not None:
+        stats.num_calls += 1
+        stats.num_experts_read += len(ids)
+        stats.num_pairs += len(ids)
+        stats.last_experts_read = len(ids)
+        if stats.recording:
+            stats.history.append(len(ids))
     return out
 
 

@@ -1,16 +1,17 @@
 """GGUF file -> plain Hugging Face folder (bf16 `model.safetensors`, config, tokenizer, EOS ids).
 
-The heavy lifting is transformers' own GGUF support, not hand-written dequantization:
-`load_gguf_checkpoint` dequantizes every ggml type (via the `gguf` package), maps llama.cpp
-tensor names to transformers names and undoes llama.cpp's Q/K row permutation of Llama
-attention weights; `AutoConfig` / `AutoTokenizer` with `gguf_file=` rebuild the config and a
-fast tokenizer from the metadata. This file adds what they leave out: a meta-device model to
-name the tensors (so no `accelerate` and no fp32 copy of the whole model), a completeness check,
+The heavy lifting is transformers' own GGUF support and the `gguf` package, not hand-written
+dequantization: `gguf` dequantizes every ggml type, transformers' tensor processors map llama.cpp
+tensor names to transformers names, undo llama.cpp's Q/K row permutation of Llama attention
+weights and stack MoE experts; `AutoConfig` / `AutoTokenizer` with `gguf_file=` rebuild the config
+and a fast tokenizer from the metadata. This file adds what they leave out: a meta-device model to
+name the tensors (so no `accelerate` and no fp32 copy of the whole model), a tensor-by-tensor read
+that never dequantizes a kept tensor, per-expert checkpoint names, a completeness check,
 two tokenizer fixes that make the rebuilt tokenizer match the upstream `tokenizer.json`, and a
 `generation_config.json` with every end-of-generation id llama.cpp would stop on.
 
-With `keep_quantized` (the default), Q8_0, Q5_0, Q6_K, Q4_0, Q4_1 and Q4_K linear weights are
-not dequantized: `gguf_quant` keeps them in their blocks (`woq/linears.safetensors`), and the
+With `keep_quantized` (the default), Q8_0, Q5_0, Q6_K, Q4_0, Q4_1 and Q4_K linear weights (experts
+included) are not dequantized: `gguf_quant` keeps them in their blocks (`woq/linears.safetensors`), and the
 loader builds int8 / int4 layers from them.
 
 `convert_gguf` writes into a fresh folder and is not atomic by itself; `hub.py` builds in a
@@ -50,9 +51,13 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: torch.dty
     metadata = read_gguf_metadata(gguf_path)
     config = read_config(gguf_path, metadata)
     config.dtype = dtype
-    quantized, replaced = (read_quantized_linears(gguf_path, config, metadata["architecture"]) if keep_quantized
-                           else ({}, set()))
-    tensors = read_weights(gguf_path, config, metadata, dtype=dtype, progress=progress, kept_quantized=replaced)
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))  # parsing its metadata is slow (Python per token): once
+    quantized, replaced = (read_quantized_linears(gguf_path, config, metadata["architecture"], reader)
+                           if keep_quantized else ({}, set()))
+    tensors = read_weights(gguf_path, config, metadata, dtype=dtype, progress=progress, kept_quantized=replaced,
+                           reader=reader)
     save_weights(tensors, out_dir / "model.safetensors")
     if quantized:
         save_quantized_linears(quantized, out_dir)
@@ -101,7 +106,7 @@ def read_config(gguf_path: Path, metadata: dict | None = None):
 
 
 def read_weights(gguf_path: Path, config, metadata: dict, *, dtype: torch.dtype,
-                 progress: bool, kept_quantized: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+                 progress: bool, kept_quantized: set[str] = frozenset(), reader=None) -> dict[str, torch.Tensor]:
     """Dequantized tensors under transformers names, each checked against the model's shape;
     the names in ``kept_quantized`` (stored by ``gguf_quant``) are left out and never dequantized.
 
@@ -127,7 +132,7 @@ def read_weights(gguf_path: Path, config, metadata: dict, *, dtype: torch.dtype,
         config=config.to_dict())
     name_map = gguf_utils.get_gguf_hf_weights_map(model, processor)
     parsed = {"tensors": {}}  # where transformers' MoE processor puts the experts it stacks
-    for tensor in tqdm(GGUFReader(str(gguf_path)).tensors, desc="dequantize GGUF tensors", disable=not progress):
+    for tensor in tqdm((reader or GGUFReader(str(gguf_path))).tensors, desc="dequantize GGUF tensors", disable=not progress):
         hf_name = name_map.get(tensor.name, name_map.get(tensor.name.removesuffix(".weight")))
         if hf_name not in expected:  # not a model weight, or kept quantized
             continue

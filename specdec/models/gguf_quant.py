@@ -167,12 +167,13 @@ def _replaced_names(module: str, kind: str) -> list[str]:
     return [f"model.{module}.weight"]
 
 
-def read_quantized_linears(gguf_path: Path, config, architecture: str) -> tuple[dict, set[str]]:
+def read_quantized_linears(gguf_path: Path, config, architecture: str, reader=None) -> tuple[dict, set[str]]:
     """({specdec module name: weight}, the transformers weight names they replace). The file is
-    read through ``GGUFReader``'s memory map: only the kept weights are materialised."""
+    read through ``GGUFReader``'s memory map (``reader``, if the caller has one): only the kept
+    weights are materialised."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(gguf_path))
+    reader = reader or GGUFReader(str(gguf_path))
     types = kept_types()
     found: dict[str, dict[int, tuple[int, object]]] = {}
     for tensor in reader.tensors:

@@ -58,6 +58,18 @@ def test_grouped_equals_the_per_pair_reference(top_k, rows):
     torch.testing.assert_close(moe(x), ref, rtol=0, atol=1e-6 * ref.abs().max().item())
 
 
+def test_one_row_sums_its_experts_in_increasing_id_order():
+    """Batch-1 decode skips the grouping; its sum is the grouped one's, term for term."""
+    moe = random_moe(top_k=3)
+    x = torch.randn(1, H)
+    routing = Routing(torch.tensor([[0.5, 0.3, 0.2]]), torch.tensor([[6, 1, 4]]))
+    expected = torch.zeros_like(x)
+    for choice in (1, 2, 0):  # experts 1, 4, 6
+        expected += moe.experts[int(routing.expert_ids[0, choice])](x) * routing.weights[0, choice]
+    assert torch.equal(grouped_experts(x, routing, moe.experts, moe.stats), expected)
+    assert moe.stats.last_experts_read == 3 and moe.stats.num_pairs == 3 and moe.stats.num_calls == 1
+
+
 def test_each_touched_expert_is_read_once_per_call():
     moe = random_moe(top_k=2)
     calls = []
