@@ -6,6 +6,7 @@ converted to GGUF Q4_K_M by llama.cpp's own tools, then specdec vs llama.cpp on 
     nice -n 10 python scripts/moe_gguf_peer.py build
     # the speed goal: specdec plain decode vs llama-bench, alternated; v(K) and experts read:
     PYTHONPATH=. python scripts/moe_gguf_peer.py run --output-json bench_results/moe_gguf_peer.json
+    # the first run converts the GGUF once into ~/.cache/specdec/gguf/ (minutes, ~6 GB)
 
 Weights: N(0, 0.02) matrices, unit norms; the router rows N(0, 0.3) so that its softmax is peaked
 but different rows pick different experts (routing is really exercised, as in a trained model).
@@ -105,14 +106,19 @@ def build(args) -> None:
     free = shutil.disk_usage(out.parent if not out.exists() else out).free
     if not q4.exists() and free < 40e9:
         sys.exit(f"needs ~40 GB free disk in {out} while building, {free / 1e9:.1f} GB free")
-    if not (hf / "model.safetensors.index.json").exists():
-        write_checkpoint(hf, args.layers, args.seed)
+    if not (hf / "model.safetensors.index.json").exists() and not q4.exists():
+        write_checkpoint(hf, args.layers, args.seed)  # the index is written last
+    # each step writes a .part file and renames it when done: a killed build resumes at that step
     if not q4.exists():
         if not bf16_gguf.exists():
+            part = bf16_gguf.with_suffix(".gguf.part")
             subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16",
-                            "--outfile", str(bf16_gguf)], check=True)
-        subprocess.run([str(bin_dir / "llama-quantize"), str(bf16_gguf), str(q4), "Q4_K_M", str(args.threads)],
+                            "--outfile", str(part)], check=True)
+            part.rename(bf16_gguf)
+        part = q4.with_suffix(".gguf.part")
+        subprocess.run([str(bin_dir / "llama-quantize"), str(bf16_gguf), str(part), "Q4_K_M", str(args.threads)],
                        check=True)
+        part.rename(q4)
         bf16_gguf.unlink()
     if not args.keep_safetensors:
         for f in hf.glob("*.safetensors"):
@@ -173,7 +179,7 @@ def run(args) -> None:
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
     engine = dict(device="cpu", max_model_len=512, spec_cost_calibration=False)
-    if args.quantization:
+    if args.quantization and args.quantization != "none":
         engine["quantization"] = args.quantization
     t = time.perf_counter()
     llm = LLM(model=str(q4), **engine)
@@ -220,7 +226,8 @@ def main() -> None:
     r.add_argument("--threads", type=int, default=2)
     r.add_argument("--tokens", type=int, default=128)
     r.add_argument("--rounds", type=int, default=2)
-    r.add_argument("--quantization", default=None, help="e.g. w4a8 (int8 activations over the file's weights)")
+    r.add_argument("--quantization", default="w4a8",
+                   help="w4a8 (int8 activations over the file's weights: specdec's fastest CPU GGUF path) or none")
     r.add_argument("--max-k", type=int, default=7)
     r.add_argument("--context", type=int, default=64, help="cached positions before the timed rows")
     r.add_argument("--skip-dense", action="store_true", help="no v(K) of the dense 1.5B GGUF")

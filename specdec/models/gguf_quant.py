@@ -203,7 +203,8 @@ def read_quantized_linears(gguf_path: Path, config, architecture: str, reader=No
             continue
         found.setdefault(module, {})[part] = (qtype, _blocks_to_weight(tensor.data, qtype))
     kept, replaced = {}, set()
-    for module, parts in found.items():
+    for module in list(found):
+        parts = found.pop(module)  # a fused module's parts freed as it is built: one copy of the weights at a time
         kind = _module_kind(module)
         num_parts = _NUM_PARTS.get(kind, 1)
         if len(parts) != num_parts:
@@ -263,11 +264,10 @@ def load_quantized_linears(folder: str | Path) -> dict[str, Int8Weight | Int4Wei
 def install_quantized_linears(model: nn.Module, linears: dict, dtype: torch.dtype, device: torch.device) -> None:
     """Swap each named ``nn.Linear`` for a ``WeightOnlyLinear`` over its stored weight (a tuple of
     parts: over its parts, outputs concatenated); a bias stays a parameter of the new module, for
-    the checkpoint loader to fill. ``linears`` is emptied."""
+    the checkpoint loader to fill."""
     from specdec.layers.quantization import PartsLinear, WeightOnlyLinear, weight_shape
 
-    for name in list(linears):
-        weight = linears.pop(name)  # dropped as installed: a layer that repacks never holds two copies of all
+    for name, weight in linears.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, child)
