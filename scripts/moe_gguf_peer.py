@@ -146,24 +146,26 @@ def llama_bench_tps(bin_dir: Path, gguf: Path, tokens: int, threads: int, log: P
 
 
 def verification_costs(llm, max_k: int, context: int) -> dict:
-    """v(K) = t(K+1 rows) / t(1 row) of one target forward after ``context`` cached positions, and
-    the mean distinct experts per MoE layer those rows read (None for a dense model)."""
+    """v(K) = t(K+1 rows) / t(1 row) of one target forward after ``context`` cached positions (each
+    ratio over a one-row time measured right before it, so drifting load cancels), and the mean
+    distinct experts per MoE layer those rows read (None for a dense model). Probe rows are distinct
+    pseudo-random tokens: an upper bound on the experts real drafts (correlated text) touch."""
     from specdec.layers.moe import moe_layers
     from specdec.worker.calibrate import time_verify_forward
 
     runner = llm.engine.executor.driver_worker.runner
     layers = moe_layers(runner.model)
-    seconds, experts = {}, {}
+    one_row, v, experts = [], {}, {}
     for rows in range(1, max_k + 2):
-        seconds[rows] = time_verify_forward(runner, 1, rows, context)
         if layers:
             for layer in layers:
                 layer.stats.reset()
             time_verify_forward(runner, 1, rows, context, repeats=0)
             experts[rows] = statistics.mean(m.stats.last_experts_read for m in layers)
-    return {"t1_ms": seconds[1] * 1e3,
-            "v": {k: seconds[k + 1] / seconds[1] for k in range(1, max_k + 1)},
-            "experts_per_layer": experts or None}
+        if rows > 1:
+            one_row.append(time_verify_forward(runner, 1, 1, context))
+            v[rows - 1] = time_verify_forward(runner, 1, rows, context) / one_row[-1]
+    return {"t1_ms": statistics.median(one_row) * 1e3, "v": v, "experts_per_layer": experts or None}
 
 
 def run(args) -> None:
@@ -201,7 +203,7 @@ def run(args) -> None:
     result = {
         "machine": cpu_header(argparse.Namespace(device="cpu")),
         "gguf": str(q4), "threads": args.threads, "tokens": args.tokens, "quantization": args.quantization,
-        "load_s": load_s, "rounds": rounds,
+        "load_s": load_s, "load_average_at_end": os.getloadavg(), "rounds": rounds,
         "specdec_over_llama_cpp": statistics.median(r["specdec_tps"] / r["llama_cpp_tps"] for r in rounds),
         "moe_verification": moe, "dense_1p5b_verification": dense,
     }
