@@ -2,11 +2,11 @@
 experts of 768, top-8, 32 query / 4 kv heads of 128; 12 layers by default, Qwen2.5's vocabulary),
 converted to GGUF Q4_K_M by llama.cpp's own tools, then specdec vs llama.cpp on that file.
 
-    # once (minutes; ~16 GB of bf16 safetensors, 16 GB bf16 GGUF (deleted), 4.6 GB Q4_K_M):
-    nice -n 10 python scripts/moe_gguf_peer.py build
+    # once (tens of minutes; ~16 GB of bf16 safetensors and a 16 GB bf16 GGUF, both deleted at the
+    # end, leave a 4.6 GB Q4_K_M and specdec's converted folder in ~/.cache/specdec/gguf/):
+    PYTHONPATH=. nice -n 10 python scripts/moe_gguf_peer.py build
     # the speed goal: specdec plain decode vs llama-bench, alternated; v(K) and experts read:
     PYTHONPATH=. python scripts/moe_gguf_peer.py run --output-json bench_results/moe_gguf_peer.json
-    # the first run converts the GGUF once into ~/.cache/specdec/gguf/ (minutes, ~6 GB)
 
 Weights: N(0, 0.02) matrices, unit norms; the router rows N(0, 0.3) so that its softmax is peaked
 but different rows pick different experts (routing is really exercised, as in a trained model).
@@ -124,6 +124,9 @@ def build(args) -> None:
         for f in hf.glob("*.safetensors"):
             f.unlink()
     print(f"{q4}: {q4.stat().st_size / 1e9:.2f} GB")
+    from specdec.models.hub import convert_local_gguf
+
+    print(f"specdec's folder (converted once, experts kept in their Q4_K / Q6_K blocks): {convert_local_gguf(q4)}")
 
 
 def specdec_decode_tps(llm, tokens: int) -> float:
