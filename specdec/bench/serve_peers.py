@@ -57,6 +57,8 @@ def add_serve_peers_parser(sub):
     p.add_argument("--engines", nargs="+", default=[SPECDEC, PLAIN, LLAMA], choices=[SPECDEC, PLAIN, LLAMA])
     p.add_argument("--llama-cpp-dir", default=None, help="folder of llama-server (default as bench peers)")
     p.add_argument("--llama-server-args", default=" ".join(SERVER_ARGS), help="extra llama-server flags, one string")
+    p.add_argument("--server-timeout", type=float, default=1800.0,
+                   help="seconds a server may take to load (a GGUF target requantized to w4a8 plus its draft)")
     p.add_argument("--log-dir", default=None, help="the servers' logs (default: a new temporary folder)")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=cmd_serve_peers)
@@ -92,8 +94,8 @@ def llama_server_command(bin_dir: Path, gguf: str, port: int, args) -> list[str]
 class LlamaServer:
     """``llama-server`` as a context manager: started, waited on until healthy, terminated on exit."""
 
-    def __init__(self, cmd: list[str], port: int, log_path: Path):
-        self.cmd, self.port, self.log_path = cmd, port, log_path
+    def __init__(self, cmd: list[str], port: int, log_path: Path, ready_timeout: float = 600.0):
+        self.cmd, self.port, self.log_path, self.ready_timeout = cmd, port, log_path, ready_timeout
         self.url = f"http://127.0.0.1:{port}"
 
     def __enter__(self) -> LlamaServer:
@@ -102,7 +104,7 @@ class LlamaServer:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
         try:
-            _wait_healthy(self.url, self.proc, timeout=600)
+            _wait_healthy(self.url, self.proc, timeout=self.ready_timeout)
         except BaseException:
             self.__exit__()
             raise
@@ -163,10 +165,11 @@ def measure(args) -> dict:
             if name == LLAMA:
                 port = llama_cpp.free_port()
                 server = stack.enter_context(LlamaServer(llama_server_command(bin_dir, gguf, port, args), port,
-                                                         log_dir / f"{name}.log"))
+                                                         log_dir / f"{name}.log", args.server_timeout))
             else:
                 argv = specdec_argv(args, gguf, speculative if name == SPECDEC else None)
-                server = stack.enter_context(SpawnedServer(argv, log_path=str(log_dir / f"{name}.log")))
+                server = stack.enter_context(SpawnedServer(argv, log_path=str(log_dir / f"{name}.log"),
+                                                           ready_timeout=args.server_timeout))
             urls[name], models[name] = server.url, "specdec" if name != LLAMA else "llama"
         client = stack.enter_context(httpx.Client(timeout=None))
         for name in args.engines:  # untimed: first-request costs (kernel choice, graph shapes) stay out
