@@ -71,11 +71,24 @@ class SpecController:
         """A policy that plans ``k`` drafts for every decoding request and learns nothing."""
         return cls(k, adaptive=False, draft_is_model=False)
 
-    def calibrate(self, time_forward) -> None:
+    def calibrate(self, time_forward, time_shape=None, batch_sizes: tuple[int, ...] = ()) -> None:
         """Time a few forwards at several token counts so the first steps already have a cost
-        model (``time_forward(kind, num_tokens) -> seconds``: the worker's)."""
+        model (``time_forward(kind, num_tokens) -> seconds``: the worker's). With ``time_shape``
+        (``(num_requests, rows_per_request) -> seconds``, the worker's verification-shaped pass)
+        and ``batch_sizes``, the target is priced on every batch size x 1..max_k + 1 rows instead:
+        a mixture-of-experts target's pass costs what its rows' expert union costs, which grows
+        with each row until every expert is read, so its v(K) bends where a dense model's is
+        nearly flat, and the bend is where "auto" must stop drafting."""
+        if time_shape is not None and batch_sizes:
+            from specdec.spec_decode.cost_model import StepCostModel, shape_token_counts, verification_shapes
+
+            shapes = verification_shapes(batch_sizes, self.max_k + 1)
+            self.cost = StepCostModel(shape_token_counts(shapes), self.cost.ema_rate)
+            self.cost.calibrate_shapes(time_shape, shapes)
+        else:
+            for n in (1, 2, 4, 8, 16, 32, 64):
+                self.cost.set("target", n, time_forward("target", n))
         for n in (1, 2, 4, 8, 16, 32, 64):
-            self.cost.set("target", n, time_forward("target", n))
             self.cost.set("draft", n, time_forward("draft", n))
 
     def plan(self, running: list[Request], closed_batch: bool = False) -> SpeculationPlan:
