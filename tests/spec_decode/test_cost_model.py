@@ -113,3 +113,27 @@ def test_controller_calibrates_shapes_when_the_worker_gives_batch_sizes():
     ctl, timed[:] = SpecController(max_k=5, adaptive=True, draft_is_model=False), []
     ctl.calibrate(time_forward, time_shape, ())
     assert timed == [] and ctl.cost.cost("target", 4) == pytest.approx(dense_step(4, 1))
+
+
+def test_a_per_step_overhead_makes_verification_rows_relatively_cheaper():
+    cost = calibrated(lambda batch, rows: 0.001 + 0.001 * experts_read(batch * rows))
+    assert choose_num_spec_tokens([0.8], 7, cost, draft_per_token=False) == [0]
+    # the same forwards inside steps that spend 40 ms on scheduling, sampling and commit: K = 0 is
+    # 49 ms per token, K = 2 is (40 + 23.5 ms) / 2.44 tokens = 26 ms
+    k = choose_num_spec_tokens([0.8], 7, cost, draft_per_token=False, step_overhead=0.040)[0]
+    assert k >= 2
+    best = max(range(8), key=lambda j: expected_tokens(0.8, j) / (0.040 + cost.cost("target", j + 1)))
+    assert k == best
+
+
+def test_controller_learns_the_step_overhead_from_decode_steps():
+    from tests.spec_decode.test_controller import record
+
+    ctl = SpecController(max_k=4, adaptive=True, draft_is_model=False)
+    assert ctl.step_overhead(1) == 0.0
+    for _ in range(10):
+        ctl.observe(record(["a"], [2], [1], target_seconds=0.010, step_seconds=0.035))
+    assert ctl.step_overhead(1) == pytest.approx(0.025)
+    assert ctl.step_overhead(8) == 0.0  # another batch bucket: not seen yet
+    ctl.observe(record(["a"], [0], [0], num_scheduled=[5], target_seconds=0.01, step_seconds=0.5))  # a prefill
+    assert ctl.step_overhead(1) == pytest.approx(0.025)
