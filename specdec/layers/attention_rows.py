@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -14,22 +15,32 @@ from specdec.kernels.cpu.attention_rows import qkv_attention_rows as qkv_attenti
 from specdec.layers.attention import AttentionBackend, AttentionMetadata, paged_attention_torch, write_kv_cache
 
 
-def _tree_inputs(meta: AttentionMetadata):
-    """(tree_base [R], tree_mask [T, width] uint8) for a step with token trees, else (None, None);
-    cached on the metadata (every layer of the step reuses them)."""
+@dataclass
+class RowsPlan:
+    """The rows backend's per-step plan (``AttentionMetadata.plan_for("rows", ...)``): the step's
+    token trees in the kernel's form."""
+    tree_base: torch.Tensor  # [R] int64 first tree key (seq_len for a causal request)
+    tree_mask: torch.Tensor  # [T, width] uint8, row t's tree keys from its request's base on
+
+
+def build_rows_plan(meta: AttentionMetadata) -> RowsPlan:
+    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    width = max((lens[r] - tree[0] for r, tree in enumerate(meta.tree_masks) if tree is not None), default=1)
+    base = torch.tensor([lens[r] if tree is None else tree[0] for r, tree in enumerate(meta.tree_masks)])
+    mask = torch.zeros(qsl[-1], max(1, width), dtype=torch.uint8)
+    for r, tree in enumerate(meta.tree_masks):
+        if tree is not None:
+            node_mask = tree[1].to(torch.uint8).cpu()
+            mask[qsl[r]:qsl[r] + node_mask.shape[0], :node_mask.shape[1]] = node_mask
+    return RowsPlan(base, mask)
+
+
+def _tree_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(tree_base, tree_mask) for a step with token trees, else (None, None)."""
     if meta.tree_masks is None:
         return None, None
-    if meta._rows_plan is None:
-        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        width = max((lens[r] - tree[0] for r, tree in enumerate(meta.tree_masks) if tree is not None), default=1)
-        base = torch.tensor([lens[r] if tree is None else tree[0] for r, tree in enumerate(meta.tree_masks)])
-        mask = torch.zeros(qsl[-1], max(1, width), dtype=torch.uint8)
-        for r, tree in enumerate(meta.tree_masks):
-            if tree is not None:
-                node_mask = tree[1].to(torch.uint8).cpu()
-                mask[qsl[r]:qsl[r] + node_mask.shape[0], :node_mask.shape[1]] = node_mask
-        meta._rows_plan = (base, mask)
-    return meta._rows_plan
+    plan = meta.plan_for("rows", build_rows_plan)
+    return plan.tree_base, plan.tree_mask
 
 
 @functools.lru_cache(maxsize=None)
