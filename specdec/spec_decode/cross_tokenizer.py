@@ -61,12 +61,11 @@ class DraftContext:
         self.num_target_tokens = len(target_ids)
         keep = 0 if self.ends is None else max(0, len(self.ids) - RETOKENIZE_TAIL)
         start = self.ends[keep - 1] if keep else 0
-        chunk, stop = _complete_utf8(self.text, start)
-        new = bridge.encode(chunk)
+        new, stop = bridge.encode_bytes(bytes(self.text[start:]))
         self.ids = self.ids[:keep] + new
         lengths = [len(bridge.draft_bytes[d]) for d in new]
         self.ends = (self.ends[:keep] + list(accumulate(lengths, initial=start))[1:]
-                     if self.ends is not None and start + sum(lengths) == stop else None)
+                     if self.ends is not None and sum(lengths) == stop else None)
 
     def num_valid_kv(self) -> int:
         """Draft tokens at the start of ``ids`` whose KV the cache holds."""
@@ -76,18 +75,6 @@ class DraftContext:
                 break
             n += 1
         return n
-
-
-def _complete_utf8(text: bytearray, start: int) -> tuple[str, int]:
-    """(text[start:stop] decoded, stop): ``stop`` leaves out an incomplete trailing character,
-    which the draft sees once its last byte arrives."""
-    stop = len(text)
-    for cut in range(stop, max(start, stop - 3) - 1, -1):
-        try:
-            return bytes(text[start:cut]).decode("utf-8"), cut
-        except UnicodeDecodeError:
-            continue
-    return bytes(text[start:]).decode("utf-8", errors="replace"), stop
 
 
 class CrossTokenizerProposer(DraftModelProposer):

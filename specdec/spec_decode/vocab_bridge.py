@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -124,6 +124,36 @@ class VocabBridge:
     def size(self) -> int:
         return len(self.target_ids)
 
-    def encode(self, text: str) -> list[int]:
-        """The draft tokenizer's ids for ``text`` (added tokens in it recognised, none inserted)."""
-        return self.draft_tokenizer.encode(text, add_special_tokens=False)
+    @cached_property
+    def draft_byte_tokens(self) -> dict[int, int]:
+        """byte -> the draft token of that single byte (byte-level and byte-fallback vocabularies)."""
+        out: dict[int, int] = {}
+        for d, data in enumerate(self.draft_bytes):
+            if len(data) == 1:
+                out.setdefault(data[0], d)
+        return out
+
+    def encode_bytes(self, data: bytes) -> tuple[list[int], int]:
+        """(the draft tokenizer's ids for ``data[:stop]``, stop): runs of valid UTF-8 go through the
+        tokenizer (added tokens in them recognised, none inserted), a byte that is no part of a
+        character becomes the draft's token of that byte (skipped where it has none), and an
+        incomplete trailing character waits for its last byte (``stop`` leaves it out)."""
+        ids, pos = [], 0
+        while pos < len(data):
+            try:
+                text, end = data[pos:].decode("utf-8"), len(data)
+            except UnicodeDecodeError as e:
+                if e.reason == "unexpected end of data" and pos + e.end == len(data):
+                    text, end = data[pos:pos + e.start].decode("utf-8"), pos + e.start
+                    if text:
+                        ids += self.draft_tokenizer.encode(text, add_special_tokens=False)
+                    return ids, end
+                text, end = data[pos:pos + e.start].decode("utf-8"), pos + e.end
+                if text:
+                    ids += self.draft_tokenizer.encode(text, add_special_tokens=False)
+                ids += [self.draft_byte_tokens[b] for b in data[pos + e.start:end] if b in self.draft_byte_tokens]
+                pos = end
+                continue
+            ids += self.draft_tokenizer.encode(text, add_special_tokens=False)
+            pos = end
+        return ids, len(data)
