@@ -102,7 +102,7 @@ def build_systems(args):
     }
     for n, draft_path in enumerate(args.draft_model or []):
         config = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": args.k}
-        tag = "" if n == 0 else f" ({Path(draft_path).name})"
+        tag = f" ({Path(draft_path).name})" if len(args.draft_model) > 1 else ""
 
         def speculating(config=config):
             llm = specdec_llm(config)

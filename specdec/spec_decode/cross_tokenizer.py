@@ -119,13 +119,13 @@ class CrossTokenizerProposer(DraftModelProposer):
         return self.runner.prepare(feeds, [len(c.kv_ids) for c in ctxs], block_tables, [[len(f) - 1] for f in feeds])
 
     def _next_batch(self, reqs, rows, prev_rows, tokens, step: int, block_tables, predicted=None):
-        to_draft = self.bridge.target_to_draft
+        fed = [self.bridge.draft_token_for(t) for t in tokens]
         ctxs = [self.contexts[reqs[j].request_id] for j in rows]
-        for c, t in zip(ctxs, tokens):
+        for c, d in zip(ctxs, fed):
             if len(c.kv_ids) < len(c.ids):  # the first pass wrote every token
                 c.kv_ids = list(c.ids)
-            c.kv_ids.append(to_draft[t])
-        return self.runner.prepare([[to_draft[t]] for t in tokens], [len(c.kv_ids) - 1 for c in ctxs],
+            c.kv_ids.append(d)
+        return self.runner.prepare([[d] for d in fed], [len(c.kv_ids) - 1 for c in ctxs],
                                    [block_tables[j] for j in rows], [[0]] * len(rows))
 
     def _finish(self, reqs: list[CachedRequestState], ks: list[int]) -> None:

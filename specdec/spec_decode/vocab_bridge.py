@@ -124,6 +124,15 @@ class VocabBridge:
     def size(self) -> int:
         return len(self.target_ids)
 
+    def draft_token_for(self, target_id: int) -> int:
+        """The draft token fed for a drafted target token: its partner in I, or for a token outside I
+        (a grammar's fallback may draft one) the draft's first token of its bytes."""
+        draft_id = self.target_to_draft.get(target_id)
+        if draft_id is None:
+            ids, _ = self.encode_bytes(self.target_bytes[target_id])
+            draft_id = ids[0] if ids else int(self.draft_ids[0])
+        return draft_id
+
     @cached_property
     def draft_byte_tokens(self) -> dict[int, int]:
         """byte -> the draft token of that single byte (byte-level and byte-fallback vocabularies)."""
