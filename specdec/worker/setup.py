@@ -11,12 +11,13 @@ import torch
 
 from specdec.config import EngineConfig
 from specdec.layers.quantization import prepare_for_inference
-from specdec.models.loader import load_model
+from specdec.models.loader import load_model, safetensors_files
+from specdec.models.memory_check import check_fits_in_memory
 from specdec.spec_decode.methods import DraftLoad, DraftParts, SpecMethod, method_of
 from specdec.spec_decode.verifier import ChainVerifier, TreeVerifier
 from specdec.worker.device import apply_platform_defaults, resolve_device
 from specdec.worker.model_runner import ModelRunner
-from specdec.worker.plan import Machine, RuntimePlan, num_kv_blocks, resolve_plan
+from specdec.worker.plan import Machine, RuntimePlan, blocks_per_sequence, num_kv_blocks, resolve_plan
 from specdec.worker.shared_weights import SharedWeights
 
 logger = logging.getLogger("specdec")
@@ -52,6 +53,11 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
     model = target_weights.take(key) if target_weights is not None else None
     shared = model is not None
     if not shared:
+        if device.type == "cpu":  # refused before any weight is read when it cannot fit
+            per_seq = blocks_per_sequence(cfg, max_model_len, plan.max_spec_slots)
+            min_kv = per_seq * ModelRunner.kv_bytes_per_block(model_config, cfg.block_size, plan.dtype)
+            check_fits_in_memory(model_path, safetensors_files(model_path), plan.target.load_dtype, min_kv,
+                                 tp.world_size if tp is not None else 1)
         model = load_model(model_path, plan.target.load_dtype, device, attn_backend, model_config, tp=tp)
     draft = DraftParts()
     if method is not None:
