@@ -25,6 +25,7 @@ class KVGroup:
     window: int | None  # keys each query reads: the last ``window`` positions, None: all of them
     layers: tuple[int, ...]  # the target layers whose caches use this group's block table
     num_blocks: int = 0  # the group's block pool (set once the budget is known)
+    bytes_per_block: int = 0  # one block of every cache reading this group's table (set with num_blocks)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,13 @@ class KVLayout:
     @property
     def num_groups(self) -> int:
         return len(self.groups)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(g.num_blocks * g.bytes_per_block for g in self.groups)
+
+    def describe(self) -> str:
+        return ", ".join(f"{g.num_blocks} blocks for {len(g.layers)} {_name(g)} layers" for g in self.groups)
 
     def layer_groups(self, num_layers: int) -> list[int]:
         """The group index of each target layer."""
@@ -106,8 +114,15 @@ def split_kv_budget(budget: int, groups: tuple[KVGroup, ...], bytes_per_block: l
     counts[0] = rest // bytes_per_block[0]
     if counts[0] < blocks_per_seq[0]:  # the sliding groups' floor took the primary's room
         raise ValueError(f"KV cache of {budget} bytes cannot hold one sequence: it needs {needed} bytes")
-    return tuple(replace(g, num_blocks=n) for g, n in zip(groups, counts))
+    return tuple(replace(g, num_blocks=n, bytes_per_block=b) for g, n, b in zip(groups, counts, bytes_per_block))
 
 
 def _name(group: KVGroup) -> str:
     return "full-attention" if group.window is None else f"window-{group.window}"
+
+
+def one_group(groups: tuple[KVGroup, ...]) -> tuple[KVGroup, ...]:
+    """Every layer in the primary group (its window already the widest)."""
+    if len(groups) == 1:
+        return groups
+    return (KVGroup(groups[0].window, tuple(sorted(layer for g in groups for layer in g.layers))),)
