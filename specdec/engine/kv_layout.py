@@ -83,12 +83,12 @@ def group_blocks_per_sequence(window: int | None, max_model_len: int, max_k: int
                               block_size: int) -> int:
     """Blocks one sequence can hold at once in a group: all of a max_model_len sequence (its K
     speculative slots and the bonus token included) for full attention; for a window w, the w - 1
-    keys before a step's first row, the step's rows (a prefill chunk of up to ``max_chunk``, or
-    1 + K drafts and the next drafts' slots) and one block the window straddles."""
+    keys before a step's first row, the step's rows (at most ``max_chunk`` tokens and drafts, then
+    the next drafts' K + 1 slots) and one block the window straddles."""
     full = -(-(max_model_len + max_k + 1) // block_size)
     if window is None:
         return full
-    rows = max(min(max_chunk, max_model_len), 2 * max_k + 2)
+    rows = min(max_chunk, max_model_len) + max_k + 1
     return min(full, -(-(window - 1 + rows) // block_size) + 1)
 
 
@@ -111,9 +111,14 @@ def split_kv_budget(budget: int, groups: tuple[KVGroup, ...], bytes_per_block: l
         share = budget * bytes_per_block[g] // total_bytes // bytes_per_block[g]
         counts[g] = max(blocks_per_seq[g], min(share, max_num_seqs * blocks_per_seq[g]))
         rest -= counts[g] * bytes_per_block[g]
+    for g in range(1, len(groups)):  # a tight budget: the primary group's one sequence comes first
+        short = blocks_per_seq[0] * bytes_per_block[0] - rest
+        if short <= 0:
+            break
+        give_back = min(counts[g] - blocks_per_seq[g], -(-short // bytes_per_block[g]))
+        counts[g] -= give_back
+        rest += give_back * bytes_per_block[g]
     counts[0] = rest // bytes_per_block[0]
-    if counts[0] < blocks_per_seq[0]:  # the sliding groups' floor took the primary's room
-        raise ValueError(f"KV cache of {budget} bytes cannot hold one sequence: it needs {needed} bytes")
     return tuple(replace(g, num_blocks=n, bytes_per_block=b) for g, n, b in zip(groups, counts, bytes_per_block))
 
 
