@@ -225,3 +225,51 @@ def test_without_a_window_nothing_is_freed_early():
     r = req("a", range(20))
     admit(kv, r)
     assert kv.free_outside_window(r) == 0 and None not in kv.req_blocks["a"]
+
+
+# ---- KV cache groups: a full-attention group and a sliding one, each on its own pool ----
+
+def hybrid(num_full: int, num_sliding: int, window: int) -> KVCacheManager:
+    from specdec.engine.kv_layout import KVGroup, KVLayout
+
+    return KVCacheManager.from_layout(KVLayout(BS, (KVGroup(None, (1,), num_full), KVGroup(window, (0,), num_sliding))))
+
+
+def test_only_the_sliding_group_frees_behind_its_window():
+    kv = hybrid(num_full=16, num_sliding=16, window=6)
+    r = req("a", range(10))
+    admit(kv, r)
+    full, sliding = kv.groups
+    for _ in range(20):  # decode: one token per step
+        assert kv.allocate_slots(r, 1)
+        r.append_output_token(1)
+        r.num_computed_tokens = r.num_tokens - 1
+    assert len(kv.get_block_ids("a")) == len(kv.get_group_block_ids("a")[0]) == -(-r.num_tokens // BS)
+    assert sum(b is not None for b in full.req_blocks["a"]) == -(-r.num_tokens // BS)  # everything kept
+    assert sum(b is not None for b in sliding.req_blocks["a"]) <= -(-6 // BS) + 2  # the window's blocks
+    assert kv.usage == full.pool.usage > sliding.pool.usage
+    kv.free(r)
+    assert full.pool.num_free_blocks == 16 and sliding.pool.num_free_blocks == 16
+
+
+def test_allocation_needs_room_in_every_group_or_takes_nothing():
+    kv = hybrid(num_full=16, num_sliding=2, window=8)
+    a = req("a", range(12))
+    before = [(g.pool.num_free_blocks, dict(g.req_blocks)) for g in kv.groups]
+    assert not kv.allocate_slots(a, 12)  # 3 blocks: the full group has them, the sliding one does not
+    assert [(g.pool.num_free_blocks, dict(g.req_blocks)) for g in kv.groups] == before
+
+
+def test_a_prefix_hit_needs_every_group_to_resume_from_it():
+    kv = hybrid(num_full=16, num_sliding=16, window=4)
+    a = req("a", range(16))
+    admit(kv, a)
+    kv.free_outside_window(a)  # the sliding group keeps blocks 3 (its window) only
+    b = req("b", list(range(16)) + [5])
+    blocks, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 16 and [len(g) for g in blocks] == [4, 4] and blocks[1][:3] == [None] * 3
+    kv.free(a)
+    sliding = kv.groups[1]
+    sliding.pool.reset_prefix_cache()  # the sliding blocks are evicted: nothing to resume from
+    blocks, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 0 and blocks == [[], []]
