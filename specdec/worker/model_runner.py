@@ -112,6 +112,9 @@ class ModelRunner:
             [m if m is None else (m[0], m[1].to(dev)) for m in tree_masks],
             lora_mapping=None if lora_slots is None else LoRAMapping.build(lora_slots, qsl, dev),
         )
+        if group_block_tables is None and self.num_kv_groups > 1:  # timing probes: blocks of each group's pool
+            group_block_tables = [tuple([b % g.num_blocks for b in blocks] for g in self.kv_groups[1:])
+                                  for blocks in block_tables]
         if group_block_tables is not None:
             attn.window_views = {self.kv_groups[g + 1].window: self._group_view(attn, [tables[g] for tables in
                                  group_block_tables], start_positions, token_ids) for g in range(len(self.kv_groups) - 1)}

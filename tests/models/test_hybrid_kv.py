@@ -134,17 +134,21 @@ def test_preemption_and_prefix_caching(family, batch):
     assert_no_leaks(llm)
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "draft_model_auto"])
 def test_speculation_equals_plain(method, family, batch):
+    """``draft_model_auto``: K planned from start-up timings, whose probe forwards run on every
+    group's pool."""
     _, target, draft, reference = family
     spec = {"draft_model": {"method": "draft_model", "model": draft, "num_speculative_tokens": 3},
             "ngram": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-                      "num_speculative_tokens": 3}}[method]
+                      "num_speculative_tokens": 3},
+            "draft_model_auto": {"method": "draft_model", "model": draft, "num_speculative_tokens": "auto"}}[method]
     llm = LLM(model=target, **engine_args(speculative_config=spec))
     assert llm.engine.kv.groups[1].sliding_window == WINDOW  # the freeing is on
     prompts = batch[0] + batch[1]
     params = [greedy_params(NUM_NEW, use_speculation=bool(i % 3)) for i in range(len(prompts))]
     assert_matches(llm, prompts, reference, params)
     metrics = llm.get_metrics()
-    assert metrics["num_draft_tokens"] > 0 and metrics["num_accepted_tokens"] > 0
+    if method != "draft_model_auto":  # "auto" may plan K = 0 for a draft as large as the target
+        assert metrics["num_draft_tokens"] > 0 and metrics["num_accepted_tokens"] > 0
     assert_no_leaks(llm)
