@@ -73,6 +73,8 @@ class KVCacheManager:
 
     def get_group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The other groups' block ids, in group order (() with one group)."""
+        if len(self.groups) == 1:
+            return ()
         return tuple(g.get_block_ids(request_id) for g in self.groups[1:])
 
     def _hashes(self, request: Request, start: int, stop: int, parent: int | None = None) -> list[int]:

@@ -4,8 +4,8 @@ graphs, the proposer and the verifiers. Every choice is the plan's (``worker/pla
 method-specific part is its registry entry's (``spec_decode/methods.py``)."""
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -59,11 +59,8 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
     shared = model is not None
     if not shared:
         if device.type == "cpu":  # refused before any weight is read when it cannot fit
-            layer_bytes = ModelRunner.kv_bytes_per_block(model_config, cfg.block_size, plan.dtype) \
-                // model_config.num_hidden_layers
-            min_kv = sum(blocks_per_sequence(cfg, max_model_len, plan.max_spec_slots, g.window) * len(g.layers)
-                         for g in _groups(plan, model_config, kv_groups)) * layer_bytes
-            check_fits_in_memory(model_path, safetensors_files(model_path), plan.target.load_dtype, min_kv,
+            check_fits_in_memory(model_path, safetensors_files(model_path), plan.target.load_dtype,
+                                 _min_kv_bytes(cfg, plan, model_config, kv_groups, max_model_len),
                                  tp.world_size if tp is not None else 1)
         model = load_model(model_path, plan.target.load_dtype, device, attn_backend, model_config, tp=tp)
     draft = DraftParts()
@@ -95,6 +92,15 @@ def _groups(plan: RuntimePlan, model_config, groups: tuple[KVGroup, ...]) -> tup
     """The KV cache groups this worker allocates: one where graphs replay one static block table."""
     groups = groups or (KVGroup(None, tuple(range(model_config.num_hidden_layers))),)
     return one_group(groups) if plan.graphs else groups
+
+
+def _min_kv_bytes(cfg: EngineConfig, plan: RuntimePlan, model_config, groups: tuple[KVGroup, ...],
+                  max_model_len: int) -> int:
+    """The target's KV for one max_model_len sequence (a sliding group: its window's blocks)."""
+    layer_bytes = ModelRunner.kv_bytes_per_block(model_config, cfg.block_size, plan.dtype) \
+        // model_config.num_hidden_layers
+    return layer_bytes * sum(blocks_per_sequence(cfg, max_model_len, plan.max_spec_slots, g.window) * len(g.layers)
+                             for g in _groups(plan, model_config, groups))
 
 
 def _kv_layout(cfg: EngineConfig, device, plan: RuntimePlan, model_config, groups: tuple[KVGroup, ...],
