@@ -89,17 +89,17 @@ def all_layers_window(config) -> int | None:
     return None if not windows or None in windows else max(windows)
 
 
-def target_kv_groups(config, draft_config, method: SpecMethod | None, spec) -> tuple[KVGroup, ...]:
+def target_kv_groups(config, draft_config, method: SpecMethod | None) -> tuple[KVGroup, ...]:
     """Proposers without a KV cache (n-gram, suffix, replay) read no block table; a draft model
     (``draft_config``) reads the primary group's with its own window (all-sliding) or all of it; a
-    head without a config of its own here (EAGLE) attends to everything. Token trees: one group."""
+    head without a config of its own here (EAGLE) attends to everything."""
     from specdec.models.llama import layer_sliding_window
 
     windows = [layer_sliding_window(config, i) for i in range(config.num_hidden_layers)]
     draft_window = False
     if method is not None and method.draft_kv_cache:
         draft_window = all_layers_window(draft_config) if draft_config is not None else None
-    return kv_groups(windows, draft_window, hybrid=spec is None or not spec.is_tree)
+    return kv_groups(windows, draft_window)
 
 
 def check_tree_depth(spec, configs) -> None:
@@ -138,7 +138,7 @@ def resolve_model_info(cfg: EngineConfig) -> ModelInfo:
         max_model_len = draft_limit
     check_tree_depth(spec, (config, draft_cfg))
     return ModelInfo(path, config, tokenizer, max_model_len, config.vocab_size, eos_ids(path, tokenizer, config),
-                     generation_defaults(path), target_kv_groups(config, draft_cfg, method, spec))
+                     generation_defaults(path), target_kv_groups(config, draft_cfg, method))
 
 
 def check_vocab_compatible(tokenizer, config, draft_tokenizer, draft_config, draft_path: str) -> None:

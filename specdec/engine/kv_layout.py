@@ -10,8 +10,7 @@ attention); a draft model's or EAGLE head's cache shares its block ids, so its w
 to what the draft reads.
 
 One group only (every layer in the primary group, its window the widest) where per-group tables
-are not wired: token trees (their accepted path is moved slot by slot in one table) and captured
-graphs (their block table is one static buffer).
+are not wired: captured graphs (their block table is one static buffer).
 """
 from __future__ import annotations
 

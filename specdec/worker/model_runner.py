@@ -52,6 +52,7 @@ class ModelRunner:
             (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_groups = kv_layout.groups if kv_layout is not None else ()
         owner = kv_layout.layer_groups(len(model.layers)) if kv_layout is not None else [0] * len(model.layers)
+        self.layer_kv_groups = owner  # the KV cache group of each layer
         self.kv_caches = [torch.zeros(shape if g == 0 else (shape[0], self.kv_groups[g].num_blocks, *shape[2:]),
                                       dtype=dtype, device=device) for g in owner]
         self.graphs: dict[int, object] = {}  # rows per request q -> GraphRunner (enable_graphs)
@@ -175,14 +176,21 @@ class ModelRunner:
         return self.model.compute_logits(rows, out=self._logits_out(rows.shape[0])), exported
 
     @torch.inference_mode()
-    def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
+    def move_kv(self, src_slots: list[int], dst_slots: list[int],
+                group_slots: list[tuple[list[int], list[int]]] = ()) -> None:
         """Copy every layer's K/V from ``src_slots`` to ``dst_slots`` (a verified tree's accepted
-        path, moved to the consecutive positions it now holds). Reads all sources first."""
+        path, moved to the consecutive positions it now holds), the layers of another KV cache
+        group by that group's (src, dst) slots in ``group_slots``. Reads all sources first."""
         if not src_slots:
             return
-        src = torch.tensor(src_slots, dtype=torch.int64, device=self.device)
-        dst = torch.tensor(dst_slots, dtype=torch.int64, device=self.device)
-        for cache in self.kv_caches:
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.int64, device=self.device)
+
+        moves = [(t(src_slots), t(dst_slots))] + [(t(s), t(d)) for s, d in group_slots]
+        owner = self.layer_kv_groups if group_slots else [0] * len(self.kv_caches)
+        for cache, g in zip(self.kv_caches, owner):
+            src, dst = moves[g]
             flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
             flat[:, dst] = flat[:, src]
 

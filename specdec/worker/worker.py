@@ -167,7 +167,7 @@ class Worker:
             first_rows = [inputs.row_offsets[i] + sched.num_scheduled_tokens[i] for i in verified]
             verifier = self.tree_verifier if proposal.is_tree else self.chain_verifier
             verifier.move_accepted(self.runner, first_slots, [reqs[i].block_ids for i in verified], first_rows,
-                                   verification, hidden)
+                                   verification, hidden, [reqs[i].group_block_ids for i in verified])
             logprobs = self._logprobs_source(reqs, verified, logits)
             row = 0
             for k, i in enumerate(verified):

@@ -134,21 +134,31 @@ def test_preemption_and_prefix_caching(family, batch):
     assert_no_leaks(llm)
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "draft_model_auto"])
-def test_speculation_equals_plain(method, family, batch):
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "draft_model_auto", "draft_model_tree"])
+def test_speculation_equals_plain(method, family, batch, monkeypatch):
     """``draft_model_auto``: K planned from start-up timings, whose probe forwards run on every
-    group's pool."""
+    group's pool; ``draft_model_tree``: an accepted path off the first children moves its KV in
+    every group."""
     _, target, draft, reference = family
     spec = {"draft_model": {"method": "draft_model", "model": draft, "num_speculative_tokens": 3},
             "ngram": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3,
                       "num_speculative_tokens": 3},
-            "draft_model_auto": {"method": "draft_model", "model": draft, "num_speculative_tokens": "auto"}}[method]
+            "draft_model_auto": {"method": "draft_model", "model": draft, "num_speculative_tokens": "auto"},
+            "draft_model_tree": {"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
+                                 "tree_topk": 2, "tree_nodes": 6}}[method]
     llm = LLM(model=target, **engine_args(speculative_config=spec))
     assert llm.engine.kv.groups[1].sliding_window == WINDOW  # the freeing is on
+    moved = []  # per tree step that moved an accepted path: slots moved in the sliding group
+    move_kv = ModelRunner.move_kv
+    monkeypatch.setattr(ModelRunner, "move_kv", lambda runner, src, dst, group_slots=():
+                        moved.append(sum(len(s) for s, _ in group_slots) if src else None)
+                        or move_kv(runner, src, dst, group_slots))
     prompts = batch[0] + batch[1]
     params = [greedy_params(NUM_NEW, use_speculation=bool(i % 3)) for i in range(len(prompts))]
     assert_matches(llm, prompts, reference, params)
     metrics = llm.get_metrics()
     if method != "draft_model_auto":  # "auto" may plan K = 0 for a draft as large as the target
         assert metrics["num_draft_tokens"] > 0 and metrics["num_accepted_tokens"] > 0
+    if method == "draft_model_tree":  # paths off the first children were accepted and moved in both groups
+        assert [m for m in moved if m is not None] and all(m for m in moved if m is not None), moved
     assert_no_leaks(llm)
