@@ -56,10 +56,9 @@ def _wider(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else max(a, b)
 
 
-def kv_groups(layer_windows: list[int | None], draft_window: int | None | bool = False,
-              hybrid: bool = True) -> tuple[KVGroup, ...]:
+def kv_groups(layer_windows: list[int | None], draft_window: int | None | bool = False) -> tuple[KVGroup, ...]:
     """Groups of the target's layers by window. ``draft_window``: False when no draft cache shares
-    the block ids, else the window the draft reads (None: everything). ``hybrid=False``: one group."""
+    the block ids, else the window the draft reads (None: everything)."""
     by_window: dict[int | None, list[int]] = {}
     for layer, window in enumerate(layer_windows):
         by_window.setdefault(window, []).append(layer)
@@ -67,7 +66,7 @@ def kv_groups(layer_windows: list[int | None], draft_window: int | None | bool =
     primary = windows[0] if windows else None
     if draft_window is not False:
         primary = _wider(primary, draft_window)
-    if not hybrid or len(windows) == 1:
+    if len(windows) == 1:
         return (KVGroup(primary, tuple(range(len(layer_windows)))),)
     groups = [KVGroup(primary, tuple(by_window[windows[0]]))]
     for window in windows[1:]:

@@ -23,9 +23,9 @@ def test_a_draft_cache_widens_the_primary_group():
 
 
 def test_one_group_where_per_group_tables_are_not_wired():
-    assert kv_groups(GPT_OSS, hybrid=False) == (KVGroup(None, tuple(range(6))),)
+    assert one_group(kv_groups(GPT_OSS)) == (KVGroup(None, tuple(range(6))),)
     assert one_group(kv_groups(GEMMA3)) == (KVGroup(None, tuple(range(12))),)
-    assert kv_groups([64, 32], hybrid=False) == (KVGroup(64, (0, 1)),)
+    assert one_group(kv_groups([64, 32])) == (KVGroup(64, (0, 1)),)
 
 
 def test_a_sliding_group_needs_its_window_and_a_step_per_sequence():
