@@ -266,7 +266,7 @@ def save_target_with_mtp(target, layer: MTPLayer, tokenizer, out: str | Path) ->
     return out
 
 
-def build_demo_target(shape: DemoTargetShape, tokenizer, seed: int = 0, residual_scale: float = 0.25):
+def build_demo_target(shape: DemoTargetShape, tokenizer, seed: int = 0, residual_scale: float = 0.05):
     """A random transformers DeepSeek-V3 of ``shape`` (float32, eval mode) whose blocks' outputs
     (``o_proj``, the experts' ``down_proj``) are scaled by ``residual_scale``: the residual stream
     stays close to the token's embedding plus a context term, so the fitted LM head is a smooth
@@ -282,8 +282,8 @@ def build_demo_target(shape: DemoTargetShape, tokenizer, seed: int = 0, residual
     return model
 
 
-def train_demo(out: str, shape: DemoTargetShape | None = None, head_steps: int = 300, mtp_steps: int = 150,
-               num_sequences: int = 48, new_tokens: int = 80, unroll: int = 3, residual_scale: float = 0.25,
+def train_demo(out: str, shape: DemoTargetShape | None = None, head_steps: int = 300, mtp_steps: int = 80,
+               num_sequences: int = 32, new_tokens: int = 64, unroll: int = 3, residual_scale: float = 0.05,
                seed: int = 0, progress: bool = True) -> dict:
     """Build the demo target, fit its LM head, distil its MTP layer, save both to ``out``; the stats."""
     from specdec.models.tiny import make_tokenizer
@@ -297,7 +297,7 @@ def train_demo(out: str, shape: DemoTargetShape | None = None, head_steps: int =
     target_losses = fit_lm_head(target, ids, head_steps, seed=seed, progress=progress)
     t_target = time.perf_counter()
     seqs = self_continuations(target, ids, num_sequences, new_tokens=new_tokens, seed=seed + 1)
-    held_out = self_continuations(target, ids, 16, new_tokens=new_tokens, seed=seed + 2)
+    held_out = self_continuations(target, ids, 8, new_tokens=new_tokens, seed=seed + 2)
     hidden, logp = teacher_states(target, seqs)
     held_hidden, held_logp = teacher_states(target, held_out)
     t_data = time.perf_counter()
