@@ -30,7 +30,6 @@ def bench(path: str, ks: list[int], output_len: int, num_iters: int) -> list[dic
     outputs = {}
     for k, llm in engines.items():  # warm-up
         llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-        llm.engine.reset_metrics() if hasattr(llm.engine, "reset_metrics") else None
     before = {k: llm.get_metrics() for k, llm in engines.items() if k}
     for _ in range(num_iters):
         for k, llm in engines.items():
