@@ -1,0 +1,35 @@
+"""Fused float32 CPU ops for the decoder's small per-layer steps (``csrc/cpu_ops.cpp``), built on
+first use (``cpp_build``): add + RMSNorm, RMSNorm, rotary.
+
+At batch 1 these steps are a few hundred floats each and their cost is ATen's per-op overhead
+(``F.rms_norm`` is six ops on CPU, the rotary split / multiply / cat eight), so each becomes one
+C++ call. Used for float32 CPU tensors that need no gradient; everything else (and
+``SPECDEC_DISABLE_CPU_OPS=1``, or a failed build) runs the torch forms, which are the reference
+the tests hold these to.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from specdec.kernels.cpu import cpp_build
+
+
+@functools.lru_cache(maxsize=1)
+def extension():
+    """``torch.ops.specdec_cpu`` once built and loaded, or None (after one warning saying why)."""
+    flags = cpp_build.cpu_flags()
+    isa = ["-mavx512f", "-mfma"] if "avx512f" in flags else ["-mavx2", "-mfma"] if "avx2" in flags else []
+    return cpp_build.load_ops("specdec_cpu_ops", "cpu_ops.cpp", "specdec_cpu", ["-O3", "-fopenmp-simd"] + isa,
+                              what="the fused CPU ops", disable_env="SPECDEC_DISABLE_CPU_OPS",
+                              fallback="using the torch forms")
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the fused ops take these tensors (float32, CPU, no autograd)."""
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_cpu or (grad and t.requires_grad):
+            return False
+    return extension() is not None

@@ -1,0 +1,70 @@
+"""ModelRunner's graph path (decode / verify steps replayed from per-batch-size graphs) gives the
+eager path's logits and KV cache. On CPU the graphs run eagerly on the same padded static buffers
+with the Triton kernels in the interpreter; on a GPU (SPECDEC_KERNEL_DEVICE=cuda, as
+scripts/gpu_check.sh runs it) they are captured and replayed."""
+import os
+
+DEVICE = os.environ.get("SPECDEC_KERNEL_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton; it is in the 'test' extra)")
+
+import torch
+
+from specdec.kernels.triton import load
+from specdec.models.loader import load_config, load_model
+from specdec.worker.model_runner import ModelRunner
+
+BLOCK_SIZE, NUM_BLOCKS = 4, 24
+
+
+@pytest.fixture(scope="module")
+def runners(llama_path):
+    device = torch.device(DEVICE)
+    load("paged_attention")  # the mode check, before the backend imports the kernels
+    from specdec.layers.attention_triton import TRITON_BACKEND as backend
+
+    model = load_model(llama_path, torch.float32, device, backend, load_config(llama_path))
+    eager = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, device, torch.float32)
+    graphed = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, device, torch.float32)
+    graphed.enable_graphs([1, 2, 4], [1, 3], max_blocks_per_seq=6, use_graphs=DEVICE != "cpu")
+    return eager, graphed
+
+
+def step(runners, feeds, starts, tables, expect_graph: bool):
+    eager, graphed = runners
+    rows = [list(range(len(f))) for f in feeds]
+    batch = graphed.prepare(feeds, starts, tables, rows)
+    assert (graphed._graph_for(batch) is not None) == expect_graph
+    expected, expected_hidden = eager.forward_with_hidden(eager.prepare(feeds, starts, tables, rows))
+    got, hidden = graphed.forward_with_hidden(batch)  # the hidden states an EAGLE head reads, from the graph too
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hidden, expected_hidden, rtol=1e-4, atol=1e-4)
+    return expected
+
+
+def test_graph_steps_match_eager_logits_and_cache(runners):
+    gen = torch.Generator().manual_seed(0)
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]  # 3 requests, room for 12 tokens each
+    prompts = [torch.randint(3, 60, (n,), generator=gen).tolist() for n in (5, 7, 2)]
+    # prefill: ragged query lengths, so both runners go eager
+    step(runners, prompts, [0, 0, 0], tables, expect_graph=False)
+    lens = [len(p) for p in prompts]
+    # verification: 3 rows per request (K = 2), 3 requests padded to the batch-4 graph
+    verify = [torch.randint(3, 60, (3,), generator=gen).tolist() for _ in range(3)]
+    step(runners, verify, lens, tables, expect_graph=True)
+    lens = [n + 3 for n in lens]
+    # decode: one row each, two requests (batch-2 graph), a narrower block table than captured
+    step(runners, [[11], [12]], lens[:2], [t[:3] for t in tables[:2]], expect_graph=True)
+    eager, graphed = runners
+    for a, b in zip(eager.kv_caches, graphed.kv_caches):  # pad rows wrote nothing
+        torch.testing.assert_close(a, b)
+
+
+def test_steps_without_a_graph_run_eagerly(runners):
+    five = [[i + 3] for i in range(5)]  # more requests than the largest captured batch (4)
+    step(runners, five, [0] * 5, [[9 + i] for i in range(5)], expect_graph=False)
+    step(runners, [[3, 4]], [0], [[20]], expect_graph=False)  # q = 2: no graph captured for it
