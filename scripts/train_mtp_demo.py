@@ -44,7 +44,7 @@ def bench(path: str, ks: list[int], output_len: int, num_iters: int) -> list[dic
         m, b = engines[k].get_metrics(), before[k]
         drafts = m["num_drafts"] - b["num_drafts"]
         accepted = m["num_accepted_tokens"] - b["num_accepted_tokens"]
-        per_pos = [a - c for a, c in zip(m.get("num_accepted_tokens_per_pos", []), b.get("num_accepted_tokens_per_pos", []))]
+        per_pos = [a - c for a, c in zip(m["num_accepted_tokens_per_pos"], b["num_accepted_tokens_per_pos"] + [0] * 8)]
         rows.append({"k": k, "mean_acceptance_length": 1 + accepted / max(drafts, 1),
                      "acceptance_per_position": [round(a / max(drafts, 1), 3) for a in per_pos],
                      "speedup": plain_s / sum(times[k]), "identical_to_plain": outputs[k] == outputs[0],

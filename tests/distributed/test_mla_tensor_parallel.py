@@ -34,7 +34,8 @@ def test_mla_under_tp_equals_one_device(target, tiny_tokenizer, prompts):
         model = llm.engine.executor.driver_worker.runner.model
         attn = model.layers[0].self_attn
         cfg = model.config
-        assert attn.num_heads == 2 and attn.q_b_proj.weight.shape[0] == 2 * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        assert attn.num_heads == 2
+        assert attn.q_b_proj.weight.shape[0] == 2 * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         assert attn.kv_b_proj.weight.shape == (2 * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
         assert attn.o_proj.linear.weight.shape[1] == 2 * cfg.v_head_dim  # row-parallel, inside its all-reduce
         assert model.layers[1].mlp.moe.shared_experts.down_proj.weight.shape[1] == cfg.moe_intermediate_size // 2
