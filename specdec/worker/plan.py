@@ -94,10 +94,14 @@ class Machine:
         return self.default_dtype() if dtype == "auto" else device_info.resolve_dtype(dtype, self.device)
 
 
+BF16_WIDENING_DTYPES = ("auto", "bfloat16")
+
+
 def bf16_weights_mode(requested: str, dtype: torch.dtype, device: torch.device) -> str | None:
-    """``dtype="auto"`` that became float32 on a CPU: linears a bf16 checkpoint filled keep their
-    bf16 weights ("exact": the same values, half the bytes per step)."""
-    return "exact" if requested == "auto" and dtype == torch.float32 and device.type == "cpu" else None
+    """``dtype="auto"`` or ``"bfloat16"`` that became float32 activations on a CPU: linears a bf16
+    checkpoint filled keep their bf16 weights ("exact": the same values, half the bytes per step)."""
+    return ("exact" if requested in BF16_WIDENING_DTYPES and dtype == torch.float32 and device.type == "cpu"
+            else None)
 
 
 @dataclass(frozen=True)
@@ -224,14 +228,18 @@ def _compute_dtype(cfg: EngineConfig, machine: Machine) -> torch.dtype:
 
 def _bf16_weights_float32_activations(cfg: EngineConfig, machine: Machine, model_path: str,
                                       tensor_parallel: bool) -> bool:
-    """``dtype="auto"`` on a CPU with bf16 arithmetic, no quantization: the model is loaded in
-    bf16, its linears keep their bf16 weights (``Bf16WeightLinear``, the same bytes per step as a
+    """``dtype="auto"`` or ``"bfloat16"`` on a CPU with bf16 arithmetic, no quantization: the model
+    is loaded in bf16, its linears keep their bf16 weights (``Bf16WeightLinear``, the same bytes per step as a
     bf16 model) and everything else computes in float32, which takes the fused float32 CPU ops and
-    the row-by-row attention kernel. Only where the bf16 kernel is the faster linear here and (the
-    caller checks) the KV budget holds a max_model_len sequence in float32."""
+    the row-by-row attention kernel. A user who asks for bf16 gets the same weights and bytes per
+    step, with attention, norms and activations in the fused float32 ops rather than a chain of bf16
+    torch ops, which costs every layer dtype conversions and unfused kernels. Only where the bf16
+    kernel is the faster linear here and (the caller checks) the KV budget holds a max_model_len
+    sequence in float32."""
     from specdec.models.gguf_quant import has_quantized_linears
 
-    if cfg.dtype != "auto" or machine.device.type != "cpu" or cfg.quantization is not None or tensor_parallel:
+    if (cfg.dtype not in BF16_WIDENING_DTYPES or machine.device.type != "cpu" or cfg.quantization is not None
+            or tensor_parallel):
         return False
     if not machine.has("cpu_bf16") or has_quantized_linears(model_path):
         return False
