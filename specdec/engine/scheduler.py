@@ -78,13 +78,17 @@ class Scheduler:
         plan = plan or NO_PLAN
         out = SchedulerOutput(tree_budget=plan.tree_budget)
         budget = self.max_num_batched_tokens
+        # without any drafts planned no request reserves slots for the next ones
+        plans_drafts = bool(plan.num_spec_tokens) or plan.new_request_spec_tokens > 0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            completes = num_new == req.num_tokens - req.num_computed_tokens
-            num_spec = self._spec_slots(req, len(req.spec_token_ids), budget - num_new) if completes else 0
-            num_next = self._next_slots(req, plan) if completes else 0
+            num_left = req.num_tokens - req.num_computed_tokens
+            num_new = min(num_left, budget)
+            completes = num_new == num_left
+            num_spec = self._spec_slots(req, len(req.spec_token_ids), budget - num_new) \
+                if completes and req.spec_token_ids else 0
+            num_next = self._next_slots(req, plan) if completes and plans_drafts else 0
             # the next drafts' slots: the newest token's and one per draft (the worker writes draft KV there)
             while not self.kv.allocate_slots(req, num_new + num_spec + (num_next + 1 if num_next else 0)):
                 if num_next:  # first give up the next drafts, then this step's, then preempt the newest request
@@ -134,7 +138,7 @@ class Scheduler:
                     break
                 num_new = budget
             completes = num_new == req.num_tokens - num_hit
-            num_next = self._next_slots(req, plan) if completes else 0
+            num_next = self._next_slots(req, plan) if completes and plan.new_request_spec_tokens else 0
             if not self.kv.allocate_slots(req, num_new + (num_next + 1 if num_next else 0), computed_blocks):
                 if not num_next or not self.kv.allocate_slots(req, num_new, computed_blocks):
                     break

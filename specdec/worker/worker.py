@@ -109,6 +109,11 @@ class Worker:
     def _scheduled_drafts(self, reqs: list[CachedRequestState], sched: SchedulerOutput) -> DraftProposal:
         """The drafts each request verifies this step: the ones proposed for it last step, cut to
         the prefix the scheduler granted (the rest, and their q rows, are dropped here)."""
+        if not any(sched.spec_token_ids):
+            if self.proposer is not None:
+                for req in reqs:
+                    req.next_drafts = None
+            return DraftProposal.empty(len(reqs))
         tokens, parents, probs, expected = [], [], [], []
         for req, scheduled in zip(reqs, sched.spec_token_ids):
             pending, req.next_drafts = req.next_drafts, None
@@ -137,6 +142,8 @@ class Worker:
         if not verified:
             return None
         vreqs = [reqs[i] for i in verified]
+        if not proposal.is_tree and all(_argmax_only(r) for r in vreqs):
+            return self.chain_verifier.verify_argmax(logits, proposal, verified)
         meta = SamplingMetadata.from_params([r.sampling_params for r in vreqs], [r.generator for r in vreqs],
                                             self.device)
         meta_rows = meta.expand([len(proposal.draft_token_ids[i]) + 1 for i in verified])
@@ -177,9 +184,9 @@ class Worker:
                     out.logprobs[i] = [_token_logprobs(logprobs[row + r], t, req.sampling_params.logprobs or 0)
                                        for r, t in zip(verification.scored_rows[k], tokens)]
                 row += len(proposal.draft_token_ids[i]) + 1
-                for t in tokens:
-                    req.append_output_token(t)
-                out.num_forced_tokens[i] = self.structured_output.commit(req, tokens, out.logprobs[i])
+                req.append_output_tokens(tokens)
+                if req.grammar is not None:
+                    out.num_forced_tokens[i] = self.structured_output.commit(req, tokens, out.logprobs[i])
         for req, start, kept in zip(reqs, inputs.starts, num_kept):
             req.num_computed_tokens = start + kept
         return out, num_kept
@@ -191,7 +198,7 @@ class Worker:
         kept, since no features outlive the step."""
         if self.proposer is None:
             return
-        ks = [self._num_next_drafts(req, k) for req, k in zip(reqs, sched.num_spec_slots)]
+        ks = [self._num_next_drafts(req, k) if k else 0 for req, k in zip(reqs, sched.num_spec_slots)]
         target = None
         if self.method.needs_target_hidden:
             if hidden is None:
@@ -284,6 +291,14 @@ def _lora_manager(cfg: EngineConfig, model, model_config, dtype: torch.dtype):
     from specdec.lora.manager import LoRAManager
 
     return LoRAManager(apply_lora(model, cfg.max_loras, cfg.max_lora_rank, dtype), model_config, cfg.max_lora_rank)
+
+
+def _argmax_only(req: CachedRequestState) -> bool:
+    """Whether ``req``'s next tokens are the argmax of the target's raw logits: greedy, and no
+    penalty, min_tokens ban or grammar changes them."""
+    params = req.sampling_params
+    return params.is_greedy and req.grammar is None and not params.has_penalties \
+        and params.min_tokens <= req.num_output_tokens
 
 
 def _token_logprobs(lp: torch.Tensor, token: int, top: int) -> dict[int, float]:
