@@ -207,8 +207,11 @@ class Worker:
             target = TargetStates(hidden, inputs.starts, inputs.row_offsets, num_kept)
         elif not any(ks):
             return
-        proposal = self.proposer.propose(reqs, ks, sched.tree_budget, grammar=self.structured_output, target=target)
-        proposal = self.structured_output.prune(reqs, proposal)
+        # the grammar hooks only where a request has a grammar
+        grammar = self.structured_output if any(r.grammar is not None for r in reqs) else None
+        proposal = self.proposer.propose(reqs, ks, sched.tree_budget, grammar=grammar, target=target)
+        if grammar is not None:
+            proposal = grammar.prune(reqs, proposal)
         out.num_draft_first_pass_rows = proposal.num_first_pass_rows
         if self.method.has_draft_model:
             out.num_draft_passes = max(proposal.num_positions, default=0)
@@ -220,22 +223,24 @@ class Worker:
             first += len(drafts)
             parents = None if proposal.draft_parents is None else proposal.draft_parents[i]
             expected = None if proposal.expected_by_request is None else proposal.expected_by_request[i]
-            req.next_drafts = PendingDrafts(list(drafts), parents, probs, expected)
-            out.draft_token_ids[i] = list(drafts)
+            drafts = list(drafts)  # one copy, read-only from here: the pending drafts and the output's
+            req.next_drafts = PendingDrafts(drafts, parents, probs, expected)
+            out.draft_token_ids[i] = drafts
 
     def _num_next_drafts(self, req: CachedRequestState, granted: int) -> int:
         """The drafts ``req`` may get now: the scheduler's grant, if the request decodes and has room
         for them (its output limit, the context, the KV slots it holds) and did not just end."""
-        if not granted or req.num_tokens - req.num_computed_tokens != 1:
+        num_tokens = req.num_tokens
+        if not granted or num_tokens - req.num_computed_tokens != 1:
             return 0
-        params = req.sampling_params
-        last = req.output_token_ids[-1] if req.output_token_ids else None
-        if last is not None and req.num_output_tokens >= params.min_tokens and (
+        params, output = req.sampling_params, req.output_token_ids
+        last = output[-1] if output else None
+        if last is not None and len(output) >= params.min_tokens and (
                 last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids)):
             return 0  # the commit will stop it
         slots = len(req.block_ids) * self.runner.block_size
-        return max(0, min(granted, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens,
-                          slots - req.num_tokens))
+        return max(0, min(granted, req.max_tokens - len(output) - 1, self.max_model_len - num_tokens,
+                          slots - num_tokens))
 
     @staticmethod
     def _logprobs_source(reqs, verified: list[int], logits: torch.Tensor) -> torch.Tensor | None:
