@@ -36,10 +36,10 @@ export GPU_CHECK_DEADLINE=$(( START + 460 ))  # phases that would not finish by 
 # ---------------------------------------------------------------- 1. kernel tests on the device
 if [ "${GPU_CHECK_SKIP_TESTS:-0}" != "1" ]; then
   echo "== kernel tests (compiled for the device) =="
-  # the C++ CPU kernels (woq, fused CPU ops, row attention) have no GPU form: their tests run on CI
-  SPECDEC_KERNEL_DEVICE=cuda timeout 200 "$PY" -m pytest tests/kernels -q -p no:cacheprovider \
-    --ignore=tests/kernels/test_woq_cpu.py --ignore=tests/kernels/test_cpu_ops.py \
-    --ignore=tests/kernels/test_attention_rows.py \
+  # the C++ CPU kernels (tests/kernels/cpu) have no GPU form: their tests run on CI
+  SPECDEC_KERNEL_DEVICE=cuda timeout 200 "$PY" -m pytest tests/kernels/triton -q -p no:cacheprovider \
+    tests/worker/test_graph_runner.py tests/worker/test_runner_graphs.py tests/worker/test_runner_tree_graphs.py \
+    tests/worker/test_engine_eagle_graphs.py tests/worker/test_engine_tree_graphs.py \
     --durations=5 2>&1 | tee "$RESULTS/kernel_tests.txt" | tail -25
   echo "rc=${PIPESTATUS[0]}" >> "$RESULTS/kernel_tests.txt"
 fi

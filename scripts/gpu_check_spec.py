@@ -36,8 +36,8 @@ def backend_for(device):
 
     if device.type != "cuda":  # the script runs kernels compiled, so CPU takes the torch path
         return TORCH_BACKEND
-    from specdec.kernels.kv_cache import write_kv_cache_triton
-    from specdec.kernels.paged_attention import paged_attention_triton
+    from specdec.kernels.triton.kv_cache import write_kv_cache_triton
+    from specdec.kernels.triton.paged_attention import paged_attention_triton
 
     return AttentionBackend("triton", write_kv_cache_triton, paged_attention_triton)
 
@@ -138,7 +138,7 @@ def run_phases(R, state, device, preset, presets, phase, seconds_per_call, deadl
         if not cuda:
             R["tree_attention"] = {"skipped": "needs the compiled kernel (GPU)"}
             return
-        from specdec.kernels.paged_attention import paged_attention_triton
+        from specdec.kernels.triton.paged_attention import paged_attention_triton
         from specdec.layers.attention import AttentionMetadata, paged_attention_torch
         from specdec.spec_decode.tree import ancestor_mask
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The int8-activation CPU kernel (specdec/kernels/csrc/woq_a8.cpp) of the working tree against the
+"""The int8-activation CPU kernel (specdec/kernels/cpu/csrc/woq_a8.cpp) of the working tree against the
 one of a git revision, side by side in one process: the revision's woq_a8.cpp and common.h are
 built under their own namespace, both kernels get the same weights, and they alternate call
 sequence by call sequence, so the machine's memory-bandwidth phases hit both alike (separate
@@ -33,10 +33,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from specdec.kernels import cpp_build, woq_cpu  # noqa: E402
-from specdec.kernels.woq_format import quantize_int4, quantize_int8  # noqa: E402
+from specdec.kernels.cpu import cpp_build, woq_cpu  # noqa: E402
+from specdec.kernels.cpu.woq_format import quantize_int4, quantize_int8  # noqa: E402
 
-CSRC = "specdec/kernels/csrc"
+CSRC = "specdec/kernels/cpu/csrc"
 
 
 def build_revision(rev: str):
@@ -44,7 +44,7 @@ def build_revision(rev: str):
     ``rev``'s woq_cpu module, which prepares the weights in its layout)."""
     isa, flags, needs = woq_cpu.build_args(None, a8=True)
     src = Path(tempfile.mkdtemp(prefix="woq_a8_rev_"))
-    for path in (f"{CSRC}/woq_a8.cpp", f"{CSRC}/common.h", "specdec/kernels/woq_cpu.py"):
+    for path in (f"{CSRC}/woq_a8.cpp", f"{CSRC}/common.h", "specdec/kernels/cpu/woq_cpu.py"):
         text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
                               text=True).stdout
         (src / Path(path).name).write_text(text)

@@ -10,7 +10,7 @@ as ``roofline.py`` counts), with t(M)/t(1): what a verification row costs on thi
 Each weight is copied enough times that one pass over the copies exceeds ``CACHE_BYTES``,
 and successive calls walk the copies, so a call rarely finds its weight in cache. A kernel
 meets the bar when it reaches 0.70 of the copy bandwidth at M=1 and its M=7 time (a K=6
-verification) stays within 1.3x its M=1 time. The AMX paths (``kernels.amx_cpu``) are timed
+verification) stays within 1.3x its M=1 time. The AMX paths (``kernels.cpu.amx_cpu``) are timed
 where the CPU has AMX; third-party kernels (torchao, zentorch) when importable.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ def add_parser(sub):
 
 
 def _int8_weights(w: torch.Tensor, group_size: int | None):
-    from specdec.kernels.woq_format import quantize_int8
+    from specdec.kernels.cpu.woq_format import quantize_int8
 
     return quantize_int8(w, group_size)
 
@@ -54,8 +54,8 @@ def _int8_weights(w: torch.Tensor, group_size: int | None):
 def candidate_kernels(group_size: int) -> dict:
     """name -> (format, prepare(w [N, K] float32, dtype) -> (fn(x) -> y, weight bytes)). Formats:
     int8 per output channel, int4 with ``group_size`` groups along K."""
-    from specdec.kernels import woq_cpu
-    from specdec.kernels.woq_format import quantize_int4, quantize_int8
+    from specdec.kernels.cpu import woq_cpu
+    from specdec.kernels.cpu.woq_format import quantize_int4, quantize_int8
 
     def torch_int8pack(w, dtype):
         q = quantize_int8(w, None)
@@ -112,7 +112,7 @@ def candidate_kernels(group_size: int) -> dict:
 def _bf16_kernels() -> dict:
     """bf16 weights: oneDNN's packed linear (what a bf16 model's ``PackedLinear`` runs; AMX where the CPU
     has it), the AVX-512 pair kernel and the AMX tile kernel on the pair layout (``Bf16WeightLinear``)."""
-    from specdec.kernels import amx_cpu, woq_cpu
+    from specdec.kernels.cpu import amx_cpu, woq_cpu
     from specdec.layers.quantization import _can_pack
 
     out = {}
@@ -137,8 +137,8 @@ def _bf16_kernels() -> dict:
 
 def _amx_a8_kernels(group_size: int) -> dict:
     """The AMX path of the int8-activation kernel (the same values as its VNNI path, bit for bit)."""
-    from specdec.kernels import amx_cpu, woq_cpu
-    from specdec.kernels.woq_format import quantize_int4, quantize_int8
+    from specdec.kernels.cpu import amx_cpu, woq_cpu
+    from specdec.kernels.cpu.woq_format import quantize_int4, quantize_int8
 
     ops = amx_cpu.extension_a8()
     if ops is None:
@@ -157,7 +157,7 @@ def _third_party(group_size: int) -> dict:
     out = {}
     try:
         import zentorch  # noqa: F401
-        from specdec.kernels.woq_format import quantize_int4
+        from specdec.kernels.cpu.woq_format import quantize_int4
 
         def zen_int4(w, dtype):
             q = quantize_int4(w, group_size)

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from specdec.kernels import amx_cpu, woq_cpu
+from specdec.kernels.cpu import amx_cpu, woq_cpu
 
 INT4_GROUP_SIZE = 128  # quantization.INT4_GROUP_SIZE: the group the measured int4 weight uses
 
@@ -100,7 +100,7 @@ def a8_amx_times(int4: bool) -> dict[str, dict[int, float]] | None:
     """Seconds per call of the int8-activation kernel's VNNI and AMX paths (``amx_cpu.extension_a8``) on a
     [4096, 2048] int4 (group 128) or int8 (per channel) weight, 4 copies, at ``A8_AMX_ROWS`` rows; None
     where the AMX path cannot run here."""
-    from specdec.kernels.woq_format import quantize_int4, quantize_int8
+    from specdec.kernels.cpu.woq_format import quantize_int4, quantize_int8
 
     ops = amx_cpu.extension_a8()
     if ops is None:
@@ -165,7 +165,7 @@ def cpu_kernel_choices() -> dict[str, str]:
 
 
 def _rows_kernel() -> bool:
-    from specdec.kernels import cpp_build
-    from specdec.kernels.attention_rows import extension
+    from specdec.kernels.cpu import cpp_build
+    from specdec.kernels.cpu.attention_rows import extension
 
     return not cpp_build.disabled(woq_cpu.DISABLE_ENV) and bool(woq_cpu.cpu_isas()) and extension() is not None

@@ -16,7 +16,7 @@ router changes which experts run.
 
 ``reference_moe`` is the pure-torch reference: every (row, choice) pair computed on its own.
 On GPUs ``fuse_experts`` swaps float SwiGLU layers for ``FusedMoE`` (the Triton kernel in
-``kernels.fused_moe``, same grouping, two launches per layer).
+``kernels.triton.fused_moe``, same grouping, two launches per layer).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kernels import cpu_ops
+from specdec.kernels.cpu import cpu_ops
 
 
 @dataclass
@@ -192,7 +192,7 @@ def experts_read(model: nn.Module) -> int:
 
 
 class FusedMoE(nn.Module):
-    """A ``SparseMoE`` whose experts run in the Triton fused-MoE kernel (``kernels.fused_moe``: two
+    """A ``SparseMoE`` whose experts run in the Triton fused-MoE kernel (``kernels.triton.fused_moe``: two
     launches per layer, no host sync, so CUDA graphs capture it). Made by ``fuse_experts`` from a
     layer whose experts are plain SwiGLU ``Expert``s without biases: their weights are stacked into
     ``w13`` [E, 2I, H] and ``w2`` [E, H, I]. ``stats`` counts calls and pairs; the experts read per
@@ -206,7 +206,7 @@ class FusedMoE(nn.Module):
         self.stats = moe.stats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from specdec.kernels import fused_moe
+        from specdec.kernels.triton import fused_moe
 
         routing = self.gate(x)
         self.stats.num_calls += 1

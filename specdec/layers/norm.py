@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kernels import cpu_ops
+from specdec.kernels.cpu import cpu_ops
 
 
 class RMSNorm(nn.Module):

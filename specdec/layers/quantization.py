@@ -14,7 +14,7 @@
 - ``WeightOnlyLinear`` (``"int8"``: symmetric per output channel; ``"int4"``: scale and
   offset per group of 128 inputs, LM head at int8): the weight stays quantized in memory, so a
   memory-bound step reads about a quarter (int8) or an eighth (int4) of float32's bytes; the CPU
-  kernel dequantises it in registers and multiplies in float32 (``specdec.kernels.woq_cpu``). GGUF Q8_0, Q5_0,
+  kernel dequantises it in registers and multiplies in float32 (``specdec.kernels.cpu.woq_cpu``). GGUF Q8_0, Q5_0,
   Q6_K, Q4_0, Q4_1 and Q4_K tensors load straight into this layer (``specdec.models.gguf_quant``;
   ``PartsLinear`` for a fused q/k/v whose parts differ in format). The quantized weights *are* the
   target: speculation is lossless with respect to them.
@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kernels import amx_cpu, woq_cpu
-from specdec.kernels.woq_format import (
+from specdec.kernels.cpu import amx_cpu, woq_cpu
+from specdec.kernels.cpu.woq_format import (
     Int4Weight,
     Int8Weight,
     quantize_int4,
@@ -206,9 +206,9 @@ def bf16_kernel_faster() -> bool:
 
 
 class WeightOnlyLinear(nn.Module):
-    """``x @ dequant(W).T + b`` for an ``Int8Weight`` / ``Int4Weight`` (``specdec.kernels.woq_format``).
+    """``x @ dequant(W).T + b`` for an ``Int8Weight`` / ``Int4Weight`` (``specdec.kernels.cpu.woq_format``).
 
-    On CPU the AVX-512 / AVX2 kernel (``specdec.kernels.woq_cpu``) runs it in float32 arithmetic with the
+    On CPU the AVX-512 / AVX2 kernel (``specdec.kernels.cpu.woq_cpu``) runs it in float32 arithmetic with the
     weight dequantised in registers; elsewhere, or without the kernel, the reference (dequantise,
     then ``F.linear``). The quantized tensors are buffers, so ``.to(device)`` moves them.
     """

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from specdec.kernels import cpu_ops
+from specdec.kernels.cpu import cpu_ops
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -156,7 +156,7 @@ class RotaryEmbedding(nn.Module):
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] rotated by the [T, 1, D/2] tables of ``RotaryEmbedding.lookup``
-    (float32 on CPU: one fused op, ``specdec.kernels.cpu_ops``; else ``rotate_reference``)."""
+    (float32 on CPU: one fused op, ``specdec.kernels.cpu.cpu_ops``; else ``rotate_reference``)."""
     if x.dim() == 3 and x.stride(-1) == 1 and cpu_ops.usable(x, cos, sin) and cos.is_contiguous() \
             and sin.is_contiguous():
         return cpu_ops.extension().rotate(x, cos, sin)

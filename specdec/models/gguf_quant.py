@@ -1,7 +1,7 @@
 """GGUF quantized linear weights kept quantized: read from the file, stored beside the converted
 folder, loaded into ``WeightOnlyLinear`` (``specdec.layers.quantization``) without a float copy.
 
-Each kept type maps onto one of specdec's formats (``specdec.kernels.woq_format``) exactly: the
+Each kept type maps onto one of specdec's formats (``specdec.kernels.cpu.woq_format``) exactly: the
 weight the kernel computes with is, value for value, the ``gguf`` package's dequantization.
 
 | GGUF type | block | specdec format |
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from specdec.kernels.woq_format import Int4Weight, Int8Weight, pack_nibbles
+from specdec.kernels.cpu.woq_format import Int4Weight, Int8Weight, pack_nibbles
 
 WOQ_FILE = Path("woq") / "linears.safetensors"
 WOQ_FORMAT = "specdec-woq-2"

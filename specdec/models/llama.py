@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kernels import cpu_ops
+from specdec.kernels.cpu import cpu_ops
 from specdec.layers.attention import (
     REFERENCE_BACKEND,
     AttentionBackend,

@@ -8,7 +8,7 @@ every request feeding the same number of rows q: 1 for decode and for a draft's 
 passes, K + 1 for verification — at a ladder of batch sizes; ``forward`` replays the smallest
 graph that fits and runs everything else (prefill chunks, mixed steps, larger batches) eagerly.
 ``enable_tree_graphs`` adds graphs of token-tree steps at a padded maximum shape
-(``specdec.kernels.tree_graphs``).
+(``specdec.worker.tree_graph``).
 """
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ class ModelRunner:
         host metadata is fixed at capture: query lengths q, and sequence lengths taken as the
         longest a block table can hold, so the attention kernel's key split suits any context.
         ``use_graphs=False`` runs the same padded path eagerly (how CPU tests exercise it)."""
-        from specdec.kernels.graphs import GraphRunner
+        from specdec.worker.graph_runner import GraphRunner
 
         self.graph_max_blocks = max_blocks_per_seq
         for q in sorted(set(query_lens)):
@@ -204,7 +204,7 @@ class ModelRunner:
         """Capture tree steps of up to ``max_query_len`` rows and ``max_tree_keys`` tree keys per
         request, ``max_rows`` rows in all, at every batch size (``use_graphs=False``: the same
         padded path, eagerly)."""
-        from specdec.kernels.tree_graphs import TreeGraph
+        from specdec.worker.tree_graph import TreeGraph
 
         self.tree_graph = TreeGraph(self.model, self.kv_caches, self.block_size, self.device, batch_sizes,
                                     max_query_len, max_tree_keys, max_blocks_per_seq, use_graphs, max_rows)

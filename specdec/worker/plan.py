@@ -21,14 +21,14 @@ from specdec.worker.model_runner import ModelRunner
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
 # int8 activations round a layer's input: they need every other op to compute a token's row the
-# same in a decode step and in a verification (specdec.kernels.attention_rows)
+# same in a decode step and in a verification (specdec.kernels.cpu.attention_rows)
 ROW_CONSISTENT_QUANTIZATIONS = ("w8a8", "w4a8")
 
 
 def _probe_rows_kernel(device: torch.device) -> bool:
     """Whether the row-by-row C++ attention kernel runs here, asked without its warnings."""
-    from specdec.kernels import cpp_build, woq_cpu
-    from specdec.kernels.attention_rows import extension
+    from specdec.kernels.cpu import cpp_build, woq_cpu
+    from specdec.kernels.cpu.attention_rows import extension
 
     if cpp_build.disabled(woq_cpu.DISABLE_ENV) or not woq_cpu.cpu_isas():
         return False
@@ -37,8 +37,8 @@ def _probe_rows_kernel(device: torch.device) -> bool:
 
 def _probe_triton(device: torch.device) -> bool:
     try:
-        from specdec.kernels.kv_cache import write_kv_cache_triton  # noqa: F401
-        from specdec.kernels.paged_attention import paged_attention_triton  # noqa: F401
+        from specdec.kernels.triton.kv_cache import write_kv_cache_triton  # noqa: F401
+        from specdec.kernels.triton.paged_attention import paged_attention_triton  # noqa: F401
     except ImportError:
         return False
     return True
@@ -46,7 +46,7 @@ def _probe_triton(device: torch.device) -> bool:
 
 def _probe_triton_sampler(device: torch.device) -> bool:
     try:
-        from specdec.kernels.rejection_sampler import rejection_sample_triton  # noqa: F401
+        from specdec.kernels.triton.rejection_sampler import rejection_sample_triton  # noqa: F401
     except ImportError:
         return False
     return True

@@ -86,11 +86,11 @@ def attention_backend(name: str):
     if name == "torch":
         return TORCH_BACKEND
     if name == "rows":
-        from specdec.kernels.attention_rows import ROWS_BACKEND
+        from specdec.kernels.cpu.attention_rows import ROWS_BACKEND
 
         return ROWS_BACKEND
-    from specdec.kernels.kv_cache import write_kv_cache_triton
-    from specdec.kernels.paged_attention import paged_attention_triton
+    from specdec.kernels.triton.kv_cache import write_kv_cache_triton
+    from specdec.kernels.triton.paged_attention import paged_attention_triton
 
     return AttentionBackend("triton", write_kv_cache_triton, paged_attention_triton)
 
@@ -98,7 +98,7 @@ def attention_backend(name: str):
 def rejection_sampler(name: str):
     """The Triton sampler (same draws, same results as the reference) or the torch one."""
     if name == "triton":
-        from specdec.kernels.rejection_sampler import rejection_sample_triton
+        from specdec.kernels.triton.rejection_sampler import rejection_sample_triton
 
         return rejection_sample_triton
     from specdec.spec_decode.rejection_sampler import rejection_sample

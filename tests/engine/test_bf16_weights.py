@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.kernels import woq_cpu
+from specdec.kernels.cpu import woq_cpu
 from specdec.layers.quantization import Bf16WeightLinear
 from specdec.worker.device import cpu_supports_bf16
 

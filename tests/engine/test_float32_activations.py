@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.kernels import woq_cpu
+from specdec.kernels.cpu import woq_cpu
 from specdec.layers import quantization
 from specdec.layers.quantization import Bf16WeightLinear
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.kernels import woq_cpu
+from specdec.kernels.cpu import woq_cpu
 from specdec.layers.quantization import WeightOnlyLinear
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=96, spec_cost_calibration=False)

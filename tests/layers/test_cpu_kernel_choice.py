@@ -2,7 +2,7 @@
 would measure them), the measured choices on this machine, and the report ``specdec bench`` prints."""
 import pytest
 
-from specdec.kernels import amx_cpu, woq_cpu
+from specdec.kernels.cpu import amx_cpu, woq_cpu
 from specdec.layers import cpu_kernel_choice
 
 

@@ -4,10 +4,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kernels import amx_cpu, woq_cpu
+from specdec.kernels.cpu import amx_cpu, woq_cpu
 from specdec.layers import cpu_kernel_choice, quantization
 from specdec.layers.norm import RMSNorm
-from specdec.kernels.woq_format import quantize_int4, quantize_int8, reference_linear, reference_linear_a8
+from specdec.kernels.cpu.woq_format import quantize_int4, quantize_int8, reference_linear, reference_linear_a8
 from specdec.layers.quantization import (
     Bf16WeightLinear,
     Int4Linear,

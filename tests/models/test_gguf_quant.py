@@ -11,7 +11,7 @@ gguf = pytest.importorskip("gguf")
 from test_hub import _permute_for_llama_cpp, _tiny_model, _write_gguf  # noqa: E402
 
 from specdec import LLM, SamplingParams  # noqa: E402
-from specdec.kernels import woq_cpu  # noqa: E402
+from specdec.kernels.cpu import woq_cpu  # noqa: E402
 from specdec.layers.quantization import WeightOnlyLinear  # noqa: E402
 from specdec.models import gguf_convert  # noqa: E402
 

@@ -7,7 +7,7 @@ a layer that rounds its input to int8 is a step function of it, so one ulp of di
 op that summed a row differently in a bigger call could change a quantized activation.
 Checked in float32 for weight-only int4 and for int8 activations ("w4a8"), with the attention
 backend "auto" picks for w4a8 on CPU ("rows": each query row on its own,
-``specdec.kernels.attention_rows``). The batched "torch" backend is not row-consistent: its
+``specdec.kernels.cpu.attention_rows``). The batched "torch" backend is not row-consistent: its
 matmuls over the step's padded batch sum a row differently when another request's prefill
 length changes the padding (the first difference a w4a8 engine run showed, prefix caching on)."""
 import pytest

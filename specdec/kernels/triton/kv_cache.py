@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.kernels.config import launch_options, next_power_of_2
+from specdec.kernels.triton.config import launch_options, next_power_of_2
 
 
 @triton.jit

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.kernels import interpreting
-from specdec.kernels.config import launch_options
+from specdec.kernels.triton import interpreting
+from specdec.kernels.triton.config import launch_options
 from specdec.layers.sampler import SamplingMetadata, processed_probs
 from specdec.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, _draft_uniforms, _PaddedLayout
 

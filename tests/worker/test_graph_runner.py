@@ -3,7 +3,7 @@ On CPU the same buffers run eagerly; the capture test needs a CUDA or ROCm GPU."
 import pytest
 import torch
 
-from specdec.kernels.graphs import GraphRunner
+from specdec.worker.graph_runner import GraphRunner
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 WEIGHT = torch.arange(12.0, device=DEVICE).view(4, 3) / 10

@@ -3,7 +3,7 @@
 ``SPECDEC_CPU_ISA``."""
 import pytest
 
-from specdec.kernels import woq_cpu
+from specdec.kernels.cpu import woq_cpu
 
 
 @pytest.fixture(params=woq_cpu.cpu_isas() or ["none"])

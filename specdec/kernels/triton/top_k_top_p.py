@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.kernels.config import launch_options
+from specdec.kernels.triton.config import launch_options
 
 _NUM_PIVOTS = 16
 

@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from specdec.kernels import cpp_build, woq_cpu
+from specdec.kernels.cpu import cpp_build, woq_cpu
 from specdec.layers.attention import AttentionBackend, AttentionMetadata, paged_attention_torch, write_kv_cache
 
 def extension(isa: str | None = None):

@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 import torch
 
-from specdec.kernels import load
+from specdec.kernels.triton import load
 from specdec.layers.sampler import _apply_top_k_top_p_sorted
 
 kernels = load("top_k_top_p")

@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 
-from specdec.kernels import cpp_build, woq_cpu
-from specdec.kernels.woq_format import (
+from specdec.kernels.cpu import cpp_build, woq_cpu
+from specdec.kernels.cpu.woq_format import (
     Int4Weight,
     Int8Weight,
     quantize_activations,

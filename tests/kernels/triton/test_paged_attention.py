@@ -15,7 +15,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 import torch
 
-from specdec.kernels import load
+from specdec.kernels.triton import load
 from specdec.layers.attention import AttentionMetadata, paged_attention_reference, write_kv_cache
 
 paged_attention = load("paged_attention")

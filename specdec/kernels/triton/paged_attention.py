@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.kernels import interpreting
-from specdec.kernels.config import launch_options, next_power_of_2, num_compute_units
+from specdec.kernels.triton import interpreting
+from specdec.kernels.triton.config import launch_options, next_power_of_2, num_compute_units
 from specdec.layers.attention import AttentionMetadata
 
 _LOG2E = 1.4426950408889634

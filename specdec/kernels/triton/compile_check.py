@@ -6,8 +6,8 @@ wavefront. Triton can lower a kernel to PTX/cubin or AMDGCN/hsaco for any target
 the hardware, so this runs each public wrapper on small CPU tensors, catches its launch
 instead of running it, and compiles that exact specialisation for e.g. sm_90 and gfx942.
 
-    python -m specdec.kernels.compile_check            # default targets
-    python -m specdec.kernels.compile_check cuda:90 hip:gfx942 hip:gfx1100
+    python -m specdec.kernels.triton.compile_check            # default targets
+    python -m specdec.kernels.triton.compile_check cuda:90 hip:gfx942 hip:gfx1100
 
 Must run with TRITON_INTERPRET unset (kernels are defined at import).
 """
@@ -87,7 +87,7 @@ def catch_launch(kernel, call: Callable[[], object]) -> tuple[dict, dict, dict]:
 
 def launches() -> list[tuple[str, object, Callable[[], object]]]:
     """(label, kernel, call) for the specialisations the engine uses."""
-    from specdec.kernels import kv_cache, paged_attention, rejection_sampler, top_k_top_p
+    from specdec.kernels.triton import kv_cache, paged_attention, rejection_sampler, top_k_top_p
     from specdec.layers.attention import AttentionMetadata
 
     def attention(q_lens, seq_lens, group, head_dim, dtype, splits, tree: bool = False):

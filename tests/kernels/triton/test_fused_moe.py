@@ -15,7 +15,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 import torch
 
-from specdec.kernels import load
+from specdec.kernels.triton import load
 from specdec.layers.moe import Expert, Routing, grouped_experts
 
 kernels = load("fused_moe")

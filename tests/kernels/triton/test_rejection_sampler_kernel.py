@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 import torch
 from scipy.stats import chisquare
 
-from specdec.kernels import load
+from specdec.kernels.triton import load
 from specdec.layers.sampler import SamplingMetadata
 from specdec.sampling_params import SamplingParams
 from specdec.spec_decode.rejection_sampler import rejection_sample

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from specdec.kernels import config
+from specdec.kernels.triton import config
 from specdec.worker.device import kv_cache_bytes_from_gpu_utilization, warp_size
 
 GIB = 1 << 30

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.kernels import amx_cpu
-from specdec.kernels.woq_cpu import pack_bf16_pairs
+from specdec.kernels.cpu import amx_cpu
+from specdec.kernels.cpu.woq_cpu import pack_bf16_pairs
 
 needs_amx = pytest.mark.skipif(not amx_cpu.available(), reason="no AMX (amx_tile, amx_bf16) on this CPU")
 
@@ -87,8 +87,8 @@ needs_amx_a8 = pytest.mark.skipif(amx_cpu.extension_a8() is None, reason="no AMX
 def test_amx_int8_path_equals_the_vnni_kernel_bitwise(fmt, rows):
     """Exact: the integer sums are exact in both paths and the float scaling is the same instructions
     in the same order, which is what lets a layer switch paths by row count and stay row-consistent."""
-    from specdec.kernels import woq_cpu
-    from specdec.kernels.woq_format import quantize_int4, quantize_int8
+    from specdec.kernels.cpu import woq_cpu
+    from specdec.kernels.cpu.woq_format import quantize_int4, quantize_int8
 
     g = torch.Generator().manual_seed(1)
     w = torch.randn(80, 256, generator=g) * 0.05

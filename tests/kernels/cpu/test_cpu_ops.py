@@ -1,11 +1,11 @@
-"""The fused float32 CPU ops (specdec.kernels.cpu_ops) against their torch forms."""
+"""The fused float32 CPU ops (specdec.kernels.cpu.cpu_ops) against their torch forms."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.kernels import cpu_ops
+from specdec.kernels.cpu import cpu_ops
 from specdec.layers.norm import RMSNorm
 from specdec.layers.rotary import RotaryEmbedding, rotate, rotate_reference
 
@@ -67,7 +67,7 @@ def test_a_build_lock_older_than_any_build_is_cleared(tmp_path):
     """An interrupted build leaves torch's lock file; the next build must not wait on it forever."""
     import time
 
-    from specdec.kernels import cpp_build
+    from specdec.kernels.cpu import cpp_build
 
     lock = tmp_path / "lock"
     lock.write_text("")

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from specdec.kernels import cpp_build
+from specdec.kernels.cpu import cpp_build
 
 
 @functools.lru_cache(maxsize=1)

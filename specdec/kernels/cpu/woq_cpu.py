@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.kernels import cpp_build
-from specdec.kernels.woq_format import (
+from specdec.kernels.cpu import cpp_build
+from specdec.kernels.cpu.woq_format import (
     Int4Weight,
     Int8Weight,
     pack_nibbles,

@@ -14,7 +14,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 import torch
 
-from specdec.kernels import load
+from specdec.kernels.triton import load
 from specdec.layers.attention import TORCH_BACKEND, AttentionBackend
 from specdec.models.loader import load_config, load_model
 from specdec.worker.model_runner import ModelRunner

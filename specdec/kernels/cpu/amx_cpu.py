@@ -15,7 +15,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from specdec.kernels import cpp_build
+from specdec.kernels.cpu import cpp_build
 
 # the CPU flags the kernel needs: the AVX-512 base it is compiled with, then the tile extensions
 NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile", "amx_bf16")
@@ -68,7 +68,7 @@ def cpu_has_amx_int8(flags: frozenset[str] | None = None) -> bool:
 def extension_a8():
     """``torch.ops.specdec_woq_a8_amx`` (``a8_linear`` and ``a8_linear_amx``, equal bit for bit) once built,
     where the CPU has amx_int8 and the OS granted AMX state; else None."""
-    from specdec.kernels import woq_cpu
+    from specdec.kernels.cpu import woq_cpu
 
     if not (cpu_has_amx_int8() and available() and woq_cpu.extension_a8() is not None):
         return None
@@ -82,7 +82,7 @@ def amx_bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
     """``x @ W.T (+ bias)`` for W in pair layout (``woq_cpu.pack_bf16_pairs``): x rounded to bf16, products
     summed in float32 AMX tiles, result in x's dtype; row i of an M-row call equals the one-row call bit
     for bit. Off the kernel, the same values from ``F.linear`` in float32 (summed in another order)."""
-    from specdec.kernels.woq_cpu import unpack_bf16_pairs
+    from specdec.kernels.cpu.woq_cpu import unpack_bf16_pairs
 
     ops = extension() if x.device.type == "cpu" else None
     if ops is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels.graphs import GraphRunner
+from specdec.worker.graph_runner import GraphRunner
 from specdec.layers.attention import AttentionMetadata
 from specdec.layers.tree_mask import PackedTreeMask, num_words_for
 
