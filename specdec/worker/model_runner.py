@@ -49,6 +49,7 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.layers]
         self.graphs: dict[int, object] = {}  # rows per request q -> GraphRunner (enable_graphs)
         self.graph_max_blocks = 0
+        self.graph_feature_size = 0  # > 0: the graphs feed an EAGLE head's features [rows, H] (enable_graphs)
         self.tree_graph = None  # TreeGraph (enable_tree_graphs)
         # True for a runner whose logits are dead by its next forward (the target's: one per step):
         # they go to one grow-only float32 buffer instead of a fresh, page-faulted tensor each step.
@@ -132,10 +133,11 @@ class ModelRunner:
             graph = None
         if graph is not None:
             meta = batch.attn
+            features = {"features": batch.features} if self.graph_feature_size else {}
             logits, exported = graph.run(meta.num_reqs, num_output_rows=len(batch.input_ids),
                                          input_ids=batch.input_ids, positions=batch.positions,
                                          slot_mapping=meta.slot_mapping, seq_lens=meta.seq_lens,
-                                         block_tables=meta.block_tables)
+                                         block_tables=meta.block_tables, **features)
             return logits[batch.logits_indices], exported  # logits copied: the next replay reuses the buffer
         exported = None
         if batch.features is not None:
@@ -181,14 +183,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def enable_graphs(self, batch_sizes: list[int], query_lens: list[int], max_blocks_per_seq: int,
-                      use_graphs: bool | None = None) -> None:
+                      use_graphs: bool | None = None, feature_size: int = 0) -> None:
         """Capture one GraphRunner per rows-per-request q, each at every batch size. The step's
         host metadata is fixed at capture: query lengths q, and sequence lengths taken as the
         longest a block table can hold, so the attention kernel's key split suits any context.
-        ``use_graphs=False`` runs the same padded path eagerly (how CPU tests exercise it)."""
+        ``use_graphs=False`` runs the same padded path eagerly (how CPU tests exercise it).
+        ``feature_size`` H > 0: the model is an EAGLE head, fed ``ForwardBatch.features`` [rows, H]
+        through a static buffer too (its passes after the first: one row per drafting request);
+        a batch without features then runs eagerly."""
         from specdec.worker.graph_runner import GraphRunner
 
         self.graph_max_blocks = max_blocks_per_seq
+        self.graph_feature_size = feature_size
         for q in sorted(set(query_lens)):
             runner = GraphRunner(
                 partial(self._graph_forward, q), partial(self._static_inputs, q), batch_sizes, self.device,
@@ -213,11 +219,15 @@ class ModelRunner:
         def zeros(*shape):
             return torch.zeros(shape, dtype=torch.int64, device=self.device)
 
-        return {"input_ids": zeros(batch_size * q), "positions": zeros(batch_size * q),
-                "slot_mapping": zeros(batch_size * q) - 1, "seq_lens": zeros(batch_size) + q,
-                "block_tables": zeros(batch_size, self.graph_max_blocks)}
+        inputs = {"input_ids": zeros(batch_size * q), "positions": zeros(batch_size * q),
+                  "slot_mapping": zeros(batch_size * q) - 1, "seq_lens": zeros(batch_size) + q,
+                  "block_tables": zeros(batch_size, self.graph_max_blocks)}
+        if self.graph_feature_size:  # pad rows read zero features
+            inputs["features"] = torch.zeros(batch_size * q, self.graph_feature_size, dtype=self.dtype,
+                                             device=self.device)
+        return inputs
 
-    def _graph_forward(self, q: int, input_ids, positions, slot_mapping, seq_lens, block_tables
+    def _graph_forward(self, q: int, input_ids, positions, slot_mapping, seq_lens, block_tables, features=None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         batch_size = seq_lens.shape[0]
         qsl = list(range(0, (batch_size + 1) * q, q))
@@ -225,7 +235,9 @@ class ModelRunner:
             query_start_loc=torch.arange(0, (batch_size + 1) * q, q, device=self.device), seq_lens=seq_lens,
             block_tables=block_tables, slot_mapping=slot_mapping, query_start_loc_cpu=qsl,
             seq_lens_cpu=[self.graph_max_blocks * self.block_size] * batch_size, block_size=self.block_size)
-        if self.aux_layers:
+        if features is not None:
+            hidden = exported = self.model(input_ids, positions, self.kv_caches, attn, features=features)
+        elif self.aux_layers:
             hidden, exported = self.model(input_ids, positions, self.kv_caches, attn, aux_layers=self.aux_layers)
         else:
             hidden = exported = self.model(input_ids, positions, self.kv_caches, attn)
@@ -235,7 +247,7 @@ class ModelRunner:
         meta = batch.attn
         if meta.tree_masks is not None:  # tree steps replay the padded tree graph, if it fits
             return self.tree_graph if self.tree_graph is not None and self.tree_graph.fits(meta) else None
-        if not self.graphs:
+        if not self.graphs or (batch.features is None) != (not self.graph_feature_size):
             return None
         graph = self.graphs.get(meta.uniform_query_len)
         if graph is None or graph.padded_size(meta.num_reqs) is None \
