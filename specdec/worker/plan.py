@@ -37,8 +37,7 @@ def _probe_rows_kernel(device: torch.device) -> bool:
 
 def _probe_triton(device: torch.device) -> bool:
     try:
-        from specdec.kernels.triton.kv_cache import write_kv_cache_triton  # noqa: F401
-        from specdec.kernels.triton.paged_attention import paged_attention_triton  # noqa: F401
+        from specdec.layers.attention_triton import TRITON_BACKEND  # noqa: F401
     except ImportError:
         return False
     return True
@@ -46,7 +45,7 @@ def _probe_triton(device: torch.device) -> bool:
 
 def _probe_triton_sampler(device: torch.device) -> bool:
     try:
-        from specdec.kernels.triton.rejection_sampler import rejection_sample_triton  # noqa: F401
+        from specdec.spec_decode.rejection_sampler_triton import rejection_sample_triton  # noqa: F401
     except ImportError:
         return False
     return True

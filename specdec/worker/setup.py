@@ -79,26 +79,25 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
 
 def attention_backend(name: str):
     """The ``AttentionBackend`` the plan named."""
-    from specdec.layers.attention import REFERENCE_BACKEND, TORCH_BACKEND, AttentionBackend
+    from specdec.layers.attention import REFERENCE_BACKEND, TORCH_BACKEND
 
     if name == "reference":
         return REFERENCE_BACKEND
     if name == "torch":
         return TORCH_BACKEND
     if name == "rows":
-        from specdec.kernels.cpu.attention_rows import ROWS_BACKEND
+        from specdec.layers.attention_rows import ROWS_BACKEND
 
         return ROWS_BACKEND
-    from specdec.kernels.triton.kv_cache import write_kv_cache_triton
-    from specdec.kernels.triton.paged_attention import paged_attention_triton
+    from specdec.layers.attention_triton import TRITON_BACKEND
 
-    return AttentionBackend("triton", write_kv_cache_triton, paged_attention_triton)
+    return TRITON_BACKEND
 
 
 def rejection_sampler(name: str):
     """The Triton sampler (same draws, same results as the reference) or the torch one."""
     if name == "triton":
-        from specdec.kernels.triton.rejection_sampler import rejection_sample_triton
+        from specdec.spec_decode.rejection_sampler_triton import rejection_sample_triton
 
         return rejection_sample_triton
     from specdec.spec_decode.rejection_sampler import rejection_sample

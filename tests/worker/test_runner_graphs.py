@@ -15,7 +15,6 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 import torch
 
 from specdec.kernels.triton import load
-from specdec.layers.attention import AttentionBackend
 from specdec.models.loader import load_config, load_model
 from specdec.worker.model_runner import ModelRunner
 
@@ -25,8 +24,9 @@ BLOCK_SIZE, NUM_BLOCKS = 4, 24
 @pytest.fixture(scope="module")
 def runners(llama_path):
     device = torch.device(DEVICE)
-    backend = AttentionBackend("triton", load("kv_cache").write_kv_cache_triton,
-                               load("paged_attention").paged_attention_triton)
+    load("paged_attention")  # the mode check, before the backend imports the kernels
+    from specdec.layers.attention_triton import TRITON_BACKEND as backend
+
     model = load_model(llama_path, torch.float32, device, backend, load_config(llama_path))
     eager = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, device, torch.float32)
     graphed = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, device, torch.float32)
