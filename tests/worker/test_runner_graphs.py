@@ -75,8 +75,9 @@ def head_runners(llama_path, eagle_head_path):
     from specdec.models.eagle import load_head
 
     device = torch.device(DEVICE)
-    backend = AttentionBackend("triton", load("kv_cache").write_kv_cache_triton,
-                               load("paged_attention").paged_attention_triton)
+    load("paged_attention")  # the mode check, before the backend imports the kernels
+    from specdec.layers.attention_triton import TRITON_BACKEND as backend
+
     target = load_model(llama_path, torch.float32, device, backend, load_config(llama_path))
     head = load_head(eagle_head_path, target, torch.float32, device, backend)
     eager = ModelRunner(head, NUM_BLOCKS, BLOCK_SIZE, device, torch.float32)
