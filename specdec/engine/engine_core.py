@@ -70,7 +70,11 @@ class EngineCore:
         spec = config.speculative_config
         self.spec_controller = SpecController.build(spec, self.max_model_len) if spec else None
         if self.spec_controller is not None and self.spec_controller.adaptive and config.spec_cost_calibration:
-            self.spec_controller.calibrate(lambda kind, n: self.executor.collective_rpc("time_forward", kind, n))
+            rpc = self.executor.collective_rpc
+            self.spec_controller.calibrate(lambda kind, n: rpc("time_forward", kind, n),
+                                           lambda batch, rows: rpc("time_verify_forward", batch, rows),
+                                           rpc("verification_batch_sizes", config.max_num_seqs,
+                                               self.spec_controller.max_k + 1))
         self.spec_metrics = SpecDecodeMetrics(method=spec.method if spec else "none")
         self.groups = RequestGroups(self.output)
         self.step_observers: list[Callable[[StepRecord], None]] = [self.spec_metrics.observe_step]

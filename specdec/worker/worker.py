@@ -268,6 +268,19 @@ class Worker:
         runner = self.runner if kind == "target" else self.draft_runner
         return time_forward(runner, num_tokens) if runner is not None else 0.0
 
+    def time_verify_forward(self, num_reqs: int, rows_per_req: int) -> float:
+        """Seconds of one target pass of ``num_reqs`` requests feeding ``rows_per_req`` rows each
+        (random tokens, so a mixture-of-experts target routes them as real rows). Before serving."""
+        from specdec.worker.calibrate import time_verify_forward
+
+        return time_verify_forward(self.runner, num_reqs, rows_per_req, context=32, repeats=2)
+
+    def verification_batch_sizes(self, max_num_seqs: int, max_rows: int) -> tuple[int, ...]:
+        """Batch sizes the cost model times verification-shaped passes on; () for a dense target."""
+        from specdec.worker.calibrate import verification_batch_sizes
+
+        return verification_batch_sizes(self.runner, max_num_seqs, max_rows)
+
     def num_request_states(self) -> int:
         return len(self.requests)
 
