@@ -6,8 +6,8 @@ from specdec.worker.model_runner import ModelRunner, int64_tensor
 
 
 def bare_runner(block_size: int) -> ModelRunner:
-    runner = ModelRunner.__new__(ModelRunner)  # prepare reads only the block size and the device
-    runner.block_size, runner.device = block_size, torch.device("cpu")
+    runner = ModelRunner.__new__(ModelRunner)  # prepare reads the block size, the device, the KV groups
+    runner.block_size, runner.device, runner.kv_groups = block_size, torch.device("cpu"), ()
     return runner
 
 
