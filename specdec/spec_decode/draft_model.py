@@ -69,7 +69,9 @@ class DraftModelProposer(Proposer):
         ks = [num_spec[i] for i in active]
         if self.tree_topk > 1:
             return self._propose_tree(requests, active, ks, tree_budget, grammar)
-        meta = SamplingMetadata.from_params(
+        greedy = [r.sampling_params.is_greedy for r in reqs]
+        # all greedy: every pass takes the argmax, no q (no sampling tensors to build)
+        meta = None if all(greedy) else SamplingMetadata.from_params(
             [r.sampling_params for r in reqs], [r.generator for r in reqs], self.runner.device
         )
         block_tables = self._block_tables(reqs)
@@ -78,7 +80,6 @@ class DraftModelProposer(Proposer):
         probs_per_pass, tokens_per_pass = [], []
         cursors = grammar.draft_cursors(reqs) if grammar is not None else [None] * len(reqs)
         constrained = any(c is not None for c in cursors)
-        greedy = [r.sampling_params.is_greedy for r in reqs]
         rows = list(range(len(reqs)))  # which requests are still drafting
         predicted = None  # [len(rows), H] hidden states of the last pass's drafting rows
         for step in range(max(ks)):
@@ -90,8 +91,9 @@ class DraftModelProposer(Proposer):
             predicted = self._pass_hidden(batch, hidden)
             if constrained:
                 grammar.mask_draft_rows(logits, [cursors[j] for j in rows], [greedy[j] for j in rows])
-            sub = meta if len(rows) == len(reqs) else meta.expand([int(j in rows) for j in range(len(reqs))])
-            if sub.all_greedy:
+            sub = meta if meta is None or len(rows) == len(reqs) else \
+                meta.expand([int(j in rows) for j in range(len(reqs))])
+            if sub is None or sub.all_greedy:
                 q, tok = None, logits.argmax(dim=-1)
             else:
                 q = processed_probs(logits, sub)
@@ -220,7 +222,7 @@ class DraftModelProposer(Proposer):
 
     def _flat_probs(self, probs_per_pass, ks, active, num_requests, meta) -> torch.Tensor | None:
         """Reorder per-pass q rows into the flat request-major order the verifier expects."""
-        if meta.all_greedy:
+        if meta is None or meta.all_greedy:
             return None
         total = sum(ks)
         out = torch.zeros(total, self.vocab_size, dtype=torch.float32, device=self.runner.device)

@@ -349,8 +349,9 @@ _MODEL_DRAFT = dict(needs_model=True, has_draft_model=True, supports_tree=True, 
 register_method(SpecMethod("draft_model", _build_draft_model, **_MODEL_DRAFT, supports_draft_vocab=True,
                            validate=_validate_draft_model, check_draft=_check_draft_model,
                            plan_draft=_plan_draft_model, load=_load_draft_model))
-# the target's per-batch-size graphs return the hidden states an EAGLE head reads, but the head's own
-# passes take features no captured graph feeds and a tree graph returns logits only: eager for now
+# the target's per-batch-size graphs return the hidden states an EAGLE head reads and the head's passes
+# after the first replay graphs fed its features (ModelRunner.enable_graphs(feature_size=), tested on
+# CPU through the padded path); the whole EAGLE step stays eager until a GPU run checks it captured
 register_method(SpecMethod("eagle", _build_eagle, **_MODEL_DRAFT, needs_target_hidden=True, graph_capturable=False,
                            plan_draft=_plan_head, load=_load_eagle))
 register_method(SpecMethod("eagle3", _build_eagle3, **_MODEL_DRAFT, needs_target_hidden=True, graph_capturable=False,

@@ -40,6 +40,24 @@ class ChainVerifier:
         emitted = [row[:a + 1] for row, a in zip(tokens.tolist(), accepted)]
         return Verification(emitted, accepted, [list(range(len(e))) for e in emitted])
 
+    @staticmethod
+    def verify_argmax(logits: torch.Tensor, proposal: DraftProposal, verified: list[int]) -> Verification:
+        """``verify`` for requests that are all greedy and whose logits need no processing (no
+        penalties, min_tokens, grammar): each row's argmax read back once and the drafts walked
+        on the host; the rejection sampler's greedy rule (accept while the draft equals argmax
+        p, then emit argmax p) without its per-step tensors."""
+        argmax = logits.argmax(dim=-1).tolist()  # [sum(K_r + 1)]
+        emitted, accepted, row = [], [], 0
+        for i in verified:
+            drafts = proposal.draft_token_ids[i]
+            n = 0
+            while n < len(drafts) and drafts[n] == argmax[row + n]:
+                n += 1
+            emitted.append(drafts[:n] + [argmax[row + n]])
+            accepted.append(n)
+            row += len(drafts) + 1
+        return Verification(emitted, accepted, [list(range(n + 1)) for n in accepted])
+
     def move_accepted(self, runner, first_slots: list[int], block_ids: list[list[int]], first_rows: list[int],
                       verification: Verification, hidden: torch.Tensor | None,
                       group_block_ids: list[tuple[list[int], ...]] | None = None) -> None:

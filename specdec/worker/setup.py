@@ -82,7 +82,7 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
                          aux_layers=draft.aux_layers, kv_layout=layout)
     draft_runner = ModelRunner(draft.model, num_blocks, cfg.block_size, device, draft.dtype) if draft.model else None
     if plan.graphs:
-        _enable_graphs(cfg, runner, draft_runner, max_model_len, spec)
+        _enable_graphs(cfg, runner, draft_runner, max_model_len, spec, method)
     proposer = method.build(spec, draft_runner, vocab_size, draft) if method is not None else None
     return WorkerParts(plan, device, plan.dtype, runner, draft_runner, method, proposer,
                        ChainVerifier(rejection_sampler(plan.sampler)), TreeVerifier())
@@ -143,19 +143,22 @@ def rejection_sampler(name: str):
     return rejection_sample
 
 
-def _enable_graphs(cfg: EngineConfig, runner, draft_runner, max_model_len: int, spec) -> None:
+def _enable_graphs(cfg: EngineConfig, runner, draft_runner, max_model_len: int, spec, method) -> None:
     """Capture decode (q = 1) and verification (q = K + 1, every K up to the maximum: adaptive K
-    varies it) graphs for the target, proposal-pass graphs (q = 1) for a draft model, and for
-    token trees the padded tree graphs of both."""
+    varies it) graphs for the target, proposal-pass graphs (q = 1) for a draft model (an EAGLE
+    head's fed its features through a buffer too), and for token trees the padded tree graphs of
+    both (a head's tree passes run eagerly: a tree graph feeds no features)."""
     sizes = sorted({b for b in cfg.cuda_graph_batch_sizes if b <= cfg.max_num_seqs} | {1})
     max_blocks = -(-max_model_len // cfg.block_size) + 1
     max_k = spec.max_k if spec else 0
     runner.enable_graphs(sizes, [1] + [k + 1 for k in range(1, max_k + 1)], max_blocks)
+    reads_features = method is not None and method.needs_target_hidden
     if draft_runner is not None:
-        draft_runner.enable_graphs(sizes, [1], max_blocks)
+        draft_runner.enable_graphs(sizes, [1], max_blocks,
+                                   feature_size=draft_runner.model.config.hidden_size if reads_features else 0)
     if spec is not None and spec.is_tree:  # a tree step: the root row and up to num_tree_nodes nodes
         rows = cfg.max_num_batched_tokens  # no step holds more
         runner.enable_tree_graphs(sizes, 1 + spec.num_tree_nodes, spec.num_tree_nodes, max_blocks, max_rows=rows)
-        if draft_runner is not None:  # a tree pass feeds <= tree_topk nodes, each seeing the nodes fed before
+        if draft_runner is not None and not reads_features:  # a tree pass feeds <= tree_topk nodes, each seeing the nodes fed before
             draft_runner.enable_tree_graphs(sizes, spec.tree_topk, spec.tree_topk * spec.max_k, max_blocks,
                                             max_rows=rows)
