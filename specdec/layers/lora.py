@@ -120,7 +120,7 @@ class LoRALinear(nn.Module):
         # bf16 pair-layout copies of lora_a and each lora_bt (None: float32 matmuls), rebuilt by set_slot
         self.bf16 = _bf16_pairs_fit(base, self.lora_a.shape, [(size, width) for size in sizes])
         self.a16: nn.Module | None = None
-        self.b16 = nn.ModuleList()
+        self.b16: nn.Module | None = None
 
     @property
     def lora_bt(self) -> list[torch.Tensor]:
@@ -142,9 +142,9 @@ class LoRALinear(nn.Module):
             self.lora_bt[p][first:first + r].copy_(b[start:end].T)
             rank = max(rank, r)
         self.slot_ranks[slot] = rank
-        if self.bf16:
+        if self.bf16:  # B block-diagonal over the parts: one kernel call per step for a fused linear
             self.a16 = _bf16_linear(self.lora_a)
-            self.b16 = nn.ModuleList(_bf16_linear(bt.T) for bt in self.lora_bt)
+            self.b16 = _bf16_linear(torch.block_diag(*[bt.T for bt in self.lora_bt]))  # [out, P * L * R]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
         out = self.base(x)
@@ -183,13 +183,7 @@ class LoRALinear(nn.Module):
         if self.tp is not None:
             xa = self.tp.all_reduce(xa)
         xa.mul_(mapping.slot_mask(len(self.parts), self.max_loras, self.max_rank, xa.dtype))
-        if len(self.parts) == 1:
-            return out.add_(self.b16[0](xa).to(out.dtype))
-        w = self.part_width
-        for p, b16 in enumerate(self.b16):
-            lo, hi = self.out_offsets[p], self.out_offsets[p + 1]
-            out[:, lo:hi] += b16(xa[:, p * w:(p + 1) * w].contiguous()).to(out.dtype)
-        return out
+        return out.add_(self.b16(xa).to(out.dtype))
 
     def slot_delta(self, x: torch.Tensor, slot: int) -> torch.Tensor:  # x [n, in] -> [n, out]
         first, r, num_parts = slot * self.max_rank, self.max_rank, len(self.parts)
