@@ -18,8 +18,9 @@ On a CPU whose base linear streams bf16 weights in pair layout (``Bf16WeightLine
 ``dtype="auto"`` builds), the adapters are kept the same way: A and B in bf16 through the same
 row-consistent pair kernel (a row's delta is independent of the call's rows, so speculative
 verification equals plain decoding), every step on the masked path (the kernel adds the other
-slots' exact zeros in a fixed order). Half the bytes of float32 adapters, which a decode step
-streams whole.
+slots' exact zeros in a fixed order), with the parts' B as one block-diagonal matrix (one
+kernel call per fused linear). Half the bytes of float32 adapters, which a decode step streams
+whole.
 
 Tensor parallelism: a column-parallel linear keeps every A whole and this rank's rows of B; a
 row-parallel one (``o_proj``, ``down_proj``) keeps this rank's input columns of A, so ``x A^T``
