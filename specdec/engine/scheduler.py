@@ -117,6 +117,7 @@ class Scheduler:
         out.tree_depths.append(depth if num_next else 0)
         out.num_output_tokens.append(req.num_output_tokens)
         out.block_ids.append(self.kv.get_block_ids(req.request_id))
+        out.group_block_ids.append(self.kv.get_group_block_ids(req.request_id))
         if req.request_id not in self._sent_to_worker:
             self._sent_to_worker.add(req.request_id)
             out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,

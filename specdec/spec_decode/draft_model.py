@@ -72,7 +72,7 @@ class DraftModelProposer(Proposer):
         meta = SamplingMetadata.from_params(
             [r.sampling_params for r in reqs], [r.generator for r in reqs], self.runner.device
         )
-        block_tables = [r.block_ids for r in reqs]
+        block_tables = self._block_tables(reqs)
         batch = self._first_batch(reqs, block_tables)
         first_pass_rows = len(batch.input_ids)
         probs_per_pass, tokens_per_pass = [], []
@@ -119,7 +119,7 @@ class DraftModelProposer(Proposer):
         ``tree_depth`` and the tokens the request may still emit."""
         started = time.perf_counter()
         reqs = [requests[i] for i in active]
-        block_tables = [r.block_ids for r in reqs]
+        block_tables = self._block_tables(reqs)
         topk = self.tree_topk
         batch = self._first_batch(reqs, block_tables)
         first_pass_rows = len(batch.input_ids)
@@ -197,6 +197,10 @@ class DraftModelProposer(Proposer):
             r.num_draft_computed_tokens = r.num_tokens + self.row_shift
 
     # ---- the passes (the EAGLE proposer overrides these) ----
+    def _block_tables(self, reqs: list[CachedRequestState]) -> list[list[int]]:
+        """Each request's draft blocks: the target's (the caches share block ids)."""
+        return [r.block_ids for r in reqs]
+
     def _first_batch(self, reqs: list[CachedRequestState], block_tables):
         """Catch up on unseen tokens; the last row drafts the first token."""
         starts = [min(r.num_draft_computed_tokens, r.num_computed_tokens) for r in reqs]

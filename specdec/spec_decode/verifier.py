@@ -41,7 +41,8 @@ class ChainVerifier:
         return Verification(emitted, accepted, [list(range(len(e))) for e in emitted])
 
     def move_accepted(self, runner, first_slots: list[int], block_ids: list[list[int]], first_rows: list[int],
-                      verification: Verification, hidden: torch.Tensor | None) -> None:
+                      verification: Verification, hidden: torch.Tensor | None,
+                      group_block_ids: list[tuple[list[int], ...]] | None = None) -> None:
         """A chain's accepted drafts already sit at their positions."""
 
 
@@ -55,18 +56,24 @@ class TreeVerifier:
 
     @torch.inference_mode()
     def move_accepted(self, runner, first_slots: list[int], block_ids: list[list[int]], first_rows: list[int],
-                      verification: Verification, hidden: torch.Tensor | None) -> None:
+                      verification: Verification, hidden: torch.Tensor | None,
+                      group_block_ids: list[tuple[list[int], ...]] | None = None) -> None:
         """Per verified request: node i sat at position ``first_slots[r] + i`` (and target row
         ``first_rows[r] + i``); move the accepted path's nodes to consecutive positions from
-        ``first_slots[r]`` (a path through the first child at every depth is already in place)."""
+        ``first_slots[r]`` (a path through the first child at every depth is already in place).
+        ``group_block_ids``: per request, its blocks in the runner's other KV cache groups."""
         src_slots, dst_slots = [], []
-        for first, blocks, row, path in zip(first_slots, block_ids, first_rows, verification.accepted_paths):
+        group_tables = group_block_ids or [()] * len(block_ids)
+        group_slots = [([], []) for _ in range(len(group_tables[0]) if group_tables else 0)]
+        for first, blocks, groups, row, path in zip(first_slots, block_ids, group_tables, first_rows,
+                                                    verification.accepted_paths):
             moves = [(first + node, first + j) for j, node in enumerate(path) if node != j]
             if not moves:
                 continue
-            src_slots.extend(runner.slot_of(blocks, s) for s, _ in moves)
-            dst_slots.extend(runner.slot_of(blocks, d) for _, d in moves)
+            for tables, (src, dst) in zip((blocks, *groups), [(src_slots, dst_slots), *group_slots]):
+                src.extend(runner.slot_of(tables, s) for s, _ in moves)
+                dst.extend(runner.slot_of(tables, d) for _, d in moves)
             if hidden is not None:
                 src = torch.tensor([row + node for node in path], device=hidden.device)
                 hidden[row:row + len(path)] = hidden[src]
-        runner.move_kv(src_slots, dst_slots)
+        runner.move_kv(src_slots, dst_slots, group_slots)

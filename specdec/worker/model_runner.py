@@ -12,12 +12,14 @@ graph that fits and runs everything else (prefill chunks, mixed steps, larger ba
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from specdec.engine.kv_layout import KVLayout
 from specdec.layers.attention import AttentionMetadata
 from specdec.layers.lora import LoRAMapping
 
@@ -33,7 +35,10 @@ class ForwardBatch:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 reuse_logits: bool = False, aux_layers: tuple[int, ...] = ()):
+                 reuse_logits: bool = False, aux_layers: tuple[int, ...] = (), kv_layout: KVLayout | None = None):
+        """``kv_layout``: the KV cache groups (``engine/kv_layout.py``); a layer of a group other
+        than the first has that group's pool and reads its block tables. None: one group of
+        ``num_blocks``."""
         self.model = model
         # the target layers whose input an EAGLE-3 head reads; () costs nothing (the model collects none)
         self.aux_layers = tuple(aux_layers)
@@ -45,7 +50,11 @@ class ModelRunner:
         cache_shape = getattr(model, "kv_cache_shape", None)
         shape = cache_shape(num_blocks, block_size) if cache_shape is not None else \
             (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.layers]
+        self.kv_groups = kv_layout.groups if kv_layout is not None else ()
+        owner = kv_layout.layer_groups(len(model.layers)) if kv_layout is not None else [0] * len(model.layers)
+        self.layer_kv_groups = owner  # the KV cache group of each layer
+        self.kv_caches = [torch.zeros(shape if g == 0 else (shape[0], self.kv_groups[g].num_blocks, *shape[2:]),
+                                      dtype=dtype, device=device) for g in owner]
         self.graphs: dict[int, object] = {}  # rows per request q -> GraphRunner (enable_graphs)
         self.graph_max_blocks = 0
         self.tree_graph = None  # TreeGraph (enable_tree_graphs)
@@ -75,6 +84,7 @@ class ModelRunner:
         tree_positions: list[list[int] | None] | None = None,  # per request: its rows' own positions (token trees)
         tree_masks: list[tuple[int, torch.Tensor] | None] | None = None,  # see ``AttentionMetadata.tree_masks``
         lora_slots: list[int] | None = None,  # per request: its adapter slot (-1: base), see ``layers/lora.py``
+        group_block_tables: list[tuple[list[int], ...]] | None = None,  # per request: the other KV groups' ids
     ) -> ForwardBatch:
         """Request i's tokens go to the slots of positions start_positions[i], +1, ...; they are
         also their positions unless ``tree_positions[i]`` gives others (a tree's nodes: depth)."""
@@ -103,7 +113,28 @@ class ModelRunner:
             [m if m is None else (m[0], m[1].to(dev)) for m in tree_masks],
             lora_mapping=None if lora_slots is None else LoRAMapping.build(lora_slots, qsl, dev),
         )
+        if group_block_tables is None and self.num_kv_groups > 1:  # timing probes: blocks of each group's pool
+            group_block_tables = [tuple([b % g.num_blocks for b in blocks] for g in self.kv_groups[1:])
+                                  for blocks in block_tables]
+        if group_block_tables is not None:
+            attn.window_views = {self.kv_groups[g + 1].window: self._group_view(attn, [tables[g] for tables in
+                                 group_block_tables], start_positions, token_ids) for g in range(len(self.kv_groups) - 1)}
         return ForwardBatch(t(flat_ids), t(positions), attn, t(logits_idx))
+
+    @property
+    def num_kv_groups(self) -> int:
+        return max(1, len(self.kv_groups))
+
+    def _group_view(self, attn: AttentionMetadata, block_tables: list[list[int]], start_positions: list[int],
+                    token_ids: list[list[int]]) -> AttentionMetadata:
+        """The step's metadata for the layers of another KV group: its block tables and slots."""
+        slots = [self.slot_of(blocks, p) for blocks, start, ids in zip(block_tables, start_positions, token_ids)
+                 for p in range(start, start + len(ids))]
+        width = max(len(b) for b in block_tables)
+        table = [b + [0] * (width - len(b)) for b in block_tables]
+        dev = self.device
+        return dataclasses.replace(attn, block_tables=torch.tensor(table, dtype=torch.int64, device=dev),
+                                   slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [N, V] float32
         """Logits of the batch's ``logits_indices`` rows. With ``reuse_logits`` (the worker's target
@@ -145,14 +176,21 @@ class ModelRunner:
         return self.model.compute_logits(rows, out=self._logits_out(rows.shape[0])), exported
 
     @torch.inference_mode()
-    def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
+    def move_kv(self, src_slots: list[int], dst_slots: list[int],
+                group_slots: list[tuple[list[int], list[int]]] = ()) -> None:
         """Copy every layer's K/V from ``src_slots`` to ``dst_slots`` (a verified tree's accepted
-        path, moved to the consecutive positions it now holds). Reads all sources first."""
+        path, moved to the consecutive positions it now holds), the layers of another KV cache
+        group by that group's (src, dst) slots in ``group_slots``. Reads all sources first."""
         if not src_slots:
             return
-        src = torch.tensor(src_slots, dtype=torch.int64, device=self.device)
-        dst = torch.tensor(dst_slots, dtype=torch.int64, device=self.device)
-        for cache in self.kv_caches:
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.int64, device=self.device)
+
+        moves = [(t(src_slots), t(dst_slots))] + [(t(s), t(d)) for s, d in group_slots]
+        owner = self.layer_kv_groups if group_slots else [0] * len(self.kv_caches)
+        for cache, g in zip(self.kv_caches, owner):
+            src, dst = moves[g]
             flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
             flat[:, dst] = flat[:, src]
 

@@ -34,8 +34,9 @@ from specdec.worker.target_inputs import TargetInputs, prepare_target
 
 class Worker:
     def __init__(self, cfg: EngineConfig, model_path: str, model_config, vocab_size: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...], target_weights=None, tp=None):
-        parts = build_worker_parts(cfg, model_path, model_config, vocab_size, max_model_len, target_weights, tp)
+                 eos_token_ids: tuple[int, ...], kv_groups=(), target_weights=None, tp=None):
+        parts = build_worker_parts(cfg, model_path, model_config, vocab_size, max_model_len, target_weights, tp,
+                                   kv_groups)
         self.tp = tp  # TensorParallelGroup, or None on one device
         self.plan = parts.plan
         self.method = parts.method  # the speculative method's registry entry (None: no speculation)
@@ -104,6 +105,8 @@ class Worker:
             req.num_computed_tokens = computed
             req.block_ids = blocks
             req.spec_depth = depth
+        for req, group_blocks in zip(reqs, sched.group_block_ids):
+            req.group_block_ids = group_blocks
         return reqs
 
     def _scheduled_drafts(self, reqs: list[CachedRequestState], sched: SchedulerOutput) -> DraftProposal:
@@ -164,7 +167,7 @@ class Worker:
             first_rows = [inputs.row_offsets[i] + sched.num_scheduled_tokens[i] for i in verified]
             verifier = self.tree_verifier if proposal.is_tree else self.chain_verifier
             verifier.move_accepted(self.runner, first_slots, [reqs[i].block_ids for i in verified], first_rows,
-                                   verification, hidden)
+                                   verification, hidden, [reqs[i].group_block_ids for i in verified])
             logprobs = self._logprobs_source(reqs, verified, logits)
             row = 0
             for k, i in enumerate(verified):
@@ -255,6 +258,19 @@ class Worker:
 
         runner = self.runner if kind == "target" else self.draft_runner
         return time_forward(runner, num_tokens) if runner is not None else 0.0
+
+    def time_verify_forward(self, num_reqs: int, rows_per_req: int) -> float:
+        """Seconds of one target pass of ``num_reqs`` requests feeding ``rows_per_req`` rows each
+        (random tokens, so a mixture-of-experts target routes them as real rows). Before serving."""
+        from specdec.worker.calibrate import time_verify_forward
+
+        return time_verify_forward(self.runner, num_reqs, rows_per_req, context=32, repeats=2)
+
+    def verification_batch_sizes(self, max_num_seqs: int, max_rows: int) -> tuple[int, ...]:
+        """Batch sizes the cost model times verification-shaped passes on; () for a dense target."""
+        from specdec.worker.calibrate import verification_batch_sizes
+
+        return verification_batch_sizes(self.runner, max_num_seqs, max_rows)
 
     def num_request_states(self) -> int:
         return len(self.requests)

@@ -175,7 +175,3 @@ def test_bf16_keeps_the_router_in_float32(target, reference, batch):
     outs = llm.generate(ragged[:3], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert sum(o.outputs[0].token_ids[:2] == reference(p)[:2] for o, p in zip(outs, ragged[:3])) >= 2
 
-
-def test_tensor_parallel_is_refused_clearly(target):
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 yet"):
-        LLM(model=target, **ENGINE, max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2)
