@@ -32,14 +32,13 @@ BLOCKS_PER_REQUEST = -(-(CONTEXT + 2 * TREE_ROWS) // BLOCK_SIZE)
 
 
 def backend_for(device):
-    from specdec.layers.attention import TORCH_BACKEND, AttentionBackend
+    from specdec.layers.attention import TORCH_BACKEND
 
     if device.type != "cuda":  # the script runs kernels compiled, so CPU takes the torch path
         return TORCH_BACKEND
-    from specdec.kernels.triton.kv_cache import write_kv_cache_triton
-    from specdec.kernels.triton.paged_attention import paged_attention_triton
+    from specdec.layers.attention_triton import TRITON_BACKEND
 
-    return AttentionBackend("triton", write_kv_cache_triton, paged_attention_triton)
+    return TRITON_BACKEND
 
 
 def new_runner(model, batch_size, device):
@@ -138,8 +137,8 @@ def run_phases(R, state, device, preset, presets, phase, seconds_per_call, deadl
         if not cuda:
             R["tree_attention"] = {"skipped": "needs the compiled kernel (GPU)"}
             return
-        from specdec.kernels.triton.paged_attention import paged_attention_triton
         from specdec.layers.attention import AttentionMetadata, paged_attention_torch
+        from specdec.layers.attention_triton import attend_triton as paged_attention_triton
         from specdec.spec_decode.tree import ancestor_mask
 
         cfg = presets[preset]

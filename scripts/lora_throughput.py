@@ -90,8 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     b_med, l_med = statistics.median(base), statistics.median(lora)
     step_base, step_lora = args.batch / b_med, args.batch / l_med  # seconds per decode step (one token per row)
     per_row_ms = (step_lora - step_base) / args.batch * 1e3
+    from specdec.layers.lora import LoRALinear
+
+    bf16 = llm.engine.executor.driver_worker.apply_model(
+        lambda m: sum(x.a16 is not None for x in m.modules() if isinstance(x, LoRALinear)))
     print(f"model {args.model}, batch {args.batch}, {args.adapters} adapters of rank {args.rank} on every module, "
-          f"dtype {llm.engine.dtype}")
+          f"dtype {llm.engine.dtype}, adapters in bf16 on {bf16} linears")
     print(f"median tokens/s: base {b_med:.1f}, adapters {l_med:.1f}; ratio {ratio:.3f}; "
           f"extra per adapted row and step {per_row_ms:.3f} ms")
     return 0

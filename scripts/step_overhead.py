@@ -4,16 +4,32 @@ For plain decoding and the draft_model / eagle / ngram proposers at batch 1 and 
 this runs ``LLM.generate`` (after a warm-up) and reads every decode step's ``StepRecord``: the
 whole step, the target forward (with its input preparation), the proposal (draft forwards
 included) and the verification, as means over the steps (the slowest tenth dropped).
-``outside`` = step - target - draft: planning, scheduling, verification, commit, bookkeeping. Run the same script on two checkouts to compare them:
+``outside`` = step - target - draft: planning, scheduling, verification, commit, bookkeeping.
+
+The ``*_cpu_us`` columns are CPU time of this process (``time.process_time``, one thread), which
+other processes on shared cores barely move: ``forward_cpu_us`` is the model runners' forward
+passes (target and draft / head, input preparation excluded), ``outside_cpu_us`` = step -
+forward, everything else the engine does per step, the proposer's own bookkeeping included.
+
+Run it on one checkout (PYTHONPATH selects the tree):
 
     PYTHONPATH=/path/to/checkout OMP_NUM_THREADS=1 python scripts/step_overhead.py --out a.json
+
+or compare checkouts, each run in its own process, alternating, and print the medians (and the
+range) of the per-run means:
+
+    OMP_NUM_THREADS=1 python scripts/step_overhead.py --compare base=/tmp/base,new=. --rounds 5
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -53,12 +69,16 @@ def measure(paths: dict[str, str], method: str, batch: int, max_tokens: int) -> 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     records = []
+    cpu = _time_cpu(llm.engine)  # record index -> (step CPU seconds, forward CPU seconds)
     llm.engine.add_step_observer(records.append)
     llm.generate(prompts, params, use_tqdm=False)
-    decode = [r for r in records if all(n == 1 for n in r.scheduled.num_scheduled_tokens)]  # no prefill chunks
+    steps = [(r, *cpu[i]) for i, r in enumerate(records)
+             if all(n == 1 for n in r.scheduled.num_scheduled_tokens)]  # no prefill chunks
     # the slowest tenth of the steps dropped (shared cores: other processes' bursts), the same steps
     # for every column, so the means add up: step = target + draft + outside
-    kept = sorted(decode, key=lambda r: r.step_seconds)[:max(1, len(decode) * 9 // 10)]
+    kept = sorted(steps, key=lambda s: s[0].step_seconds)[:max(1, len(steps) * 9 // 10)]
+    cpu_kept = [(c, f) for _, c, f in kept]
+    kept = [r for r, _, _ in kept]
 
     def mean_us(values):
         return 1e6 * statistics.fmean(values)
@@ -71,16 +91,52 @@ def measure(paths: dict[str, str], method: str, batch: int, max_tokens: int) -> 
         "draft_us": mean_us([r.result.draft_seconds for r in kept]),
         "verify_us": mean_us([r.result.sampling_seconds for r in kept]),
         "outside_us": mean_us([r.step_seconds - r.result.target_seconds - r.result.draft_seconds for r in kept]),
+        "step_cpu_us": mean_us([c for c, _ in cpu_kept]),
+        "forward_cpu_us": mean_us([f for _, f in cpu_kept]),
+        "outside_cpu_us": mean_us([c - f for c, f in cpu_kept]),
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", default="none,draft_model,eagle,ngram")
-    parser.add_argument("--batches", default="1,32")
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--out", help="write the rows as JSON here")
-    args = parser.parse_args()
+def _time_cpu(engine) -> list[tuple[float, float]]:
+    """Wrap ``engine.step`` and the forward of the target's and the proposer's model runners
+    (instance attributes of this engine only) to take the CPU time of each step and of its
+    forwards; returns the list the steps that leave a record append to."""
+    worker = engine.executor.driver_worker
+    runners = [worker.runner]
+    draft = getattr(getattr(worker, "proposer", None), "runner", None)
+    if draft is not None and draft is not worker.runner:
+        runners.append(draft)
+    clock = {"forward": 0.0, "depth": 0}
+    for runner in runners:
+        def timed(*args, _forward=runner.forward_with_hidden, **kwargs):
+            clock["depth"] += 1
+            t = time.process_time()
+            try:
+                return _forward(*args, **kwargs)
+            finally:
+                clock["depth"] -= 1
+                if not clock["depth"]:
+                    clock["forward"] += time.process_time() - t
+        runner.forward_with_hidden = timed
+    out: list[tuple[float, float]] = []
+    stepped: list = []  # one entry per step that left a record
+    engine.add_step_observer(stepped.append)
+    step = engine.step
+
+    def timed_step():
+        clock["forward"] = 0.0
+        num_stepped = len(stepped)
+        t = time.process_time()
+        outputs = step()
+        if len(stepped) > num_stepped:
+            out.append((time.process_time() - t, clock["forward"]))
+        return outputs
+
+    engine.step = timed_step
+    return out
+
+
+def run(args) -> list[dict]:
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,6 +148,64 @@ def main() -> None:
                 print(f"{method:12s} batch {batch:3d}: " + "  ".join(
                     f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
                     if k not in ("method", "batch")), flush=True)
+    return rows
+
+
+def compare(args) -> list[dict]:
+    """Run this script on each tree in turn, ``rounds`` times (each in a fresh process, the trees
+    alternating so a change in the machine's load falls on both), and summarise per method and
+    batch: the median of the per-run means, and their range."""
+    trees = dict(item.split("=", 1) for item in args.compare.split(","))
+    runs: dict[str, list[list[dict]]] = {name: [] for name in trees}
+    ext_root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "specdec" / "torch_extensions"
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            for name, path in trees.items():
+                out = Path(tmp) / f"{name}-{round_}.json"
+                # each tree builds its C++ kernels into a folder of its own (one shared folder would
+                # rebuild them at every switch)
+                env = dict(os.environ, PYTHONPATH=str(Path(path).resolve()), OMP_NUM_THREADS="1",
+                           TORCH_EXTENSIONS_DIR=str(Path(ext_root) / f"step_overhead-{name}"))
+                subprocess.run([sys.executable, __file__, "--methods", args.methods, "--batches", args.batches,
+                                "--max-tokens", str(args.max_tokens), "--out", str(out)],
+                               env=env, check=True, stdout=subprocess.DEVNULL)
+                runs[name].append(json.loads(out.read_text()))
+                print(f"round {round_ + 1}/{args.rounds}: {name} done", flush=True)
+    summary = []
+    columns = ("outside_cpu_us", "step_cpu_us", "forward_cpu_us", "outside_us", "tokens_per_step")
+    for r, first in enumerate(runs[next(iter(trees))][0]):
+        row = {"method": first["method"], "batch": first["batch"]}
+        for name in trees:
+            for col in columns:
+                values = [run[r][col] for run in runs[name]]
+                row[f"{name}_{col}"] = statistics.median(values)
+                row[f"{name}_{col}_range"] = [min(values), max(values)]
+        summary.append(row)
+    names = list(trees)
+    print(f"{'method':12s} {'batch':>5s}  " + "  ".join(f"{n + ' outside cpu':>22s}" for n in names)
+          + "  " + "  ".join(f"{n + ' outside wall':>14s}" for n in names))
+    for row in summary:
+        cells = [f"{row[f'{n}_outside_cpu_us']:8.1f} [{row[f'{n}_outside_cpu_us_range'][0]:.0f}-"
+                 f"{row[f'{n}_outside_cpu_us_range'][1]:.0f}]" for n in names]
+        walls = [f"{row[f'{n}_outside_us']:14.1f}" for n in names]
+        ratio = ""
+        if len(names) == 2:
+            ratio = f"  {names[1]}/{names[0]} cpu {row[f'{names[1]}_outside_cpu_us'] / row[f'{names[0]}_outside_cpu_us']:.3f}"
+        print(f"{row['method']:12s} {row['batch']:5d}  " + "  ".join(f"{c:>22s}" for c in cells) + "  "
+              + "  ".join(walls) + ratio, flush=True)
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", default="none,draft_model,eagle,ngram")
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--compare", help="name=path,name=path: run on each checkout in turn and summarise")
+    parser.add_argument("--rounds", type=int, default=5, help="with --compare: runs per checkout")
+    parser.add_argument("--out", help="write the rows (with --compare: the summary) as JSON here")
+    args = parser.parse_args()
+    rows = compare(args) if args.compare else run(args)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 

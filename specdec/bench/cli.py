@@ -53,7 +53,7 @@ def register_cli(subparsers) -> None:
 
     bench = subparsers.add_parser(
         "bench", help="benchmarks: latency, throughput, sweep, autok, compare, profile, quant-kernels, roofline, "
-                      "workloads, structured, peers, serve")
+                      "workloads, structured, peers, serve, serve-peers")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     for module in (latency, throughput, sweep, autok, compare, profile, quant_kernels, roofline_dtypes):
         p = module.add_parser(sub)
@@ -68,6 +68,9 @@ def register_cli(subparsers) -> None:
     from specdec.bench.peers.command import add_peers_parser
 
     add_peers_parser(sub).set_defaults(bench_parser=sub.choices["peers"])
+    from specdec.bench.serve_peers import add_serve_peers_parser
+
+    add_serve_peers_parser(sub).set_defaults(bench_parser=sub.choices["serve-peers"])
     if "serve" in sub.choices:
         sub.choices["serve"].set_defaults(bench_parser=sub.choices["serve"])
     m = sub.add_parser("make-model", help="write a random checkpoint for benchmarks (speed ignores weights)")

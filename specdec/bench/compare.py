@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -25,7 +27,9 @@ def add_parser(sub):
     p = sub.add_parser("compare", help="specdec vs transformers generate / assisted / prompt lookup, same run")
     add_common_args(p, output_len=64)
     p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--draft-model", default=None, help="draft checkpoint for assisted generation and draft_model")
+    p.add_argument("--draft-model", nargs="+", default=None,
+                   help="draft checkpoint(s) for assisted generation and draft_model; a draft with another "
+                        "tokenizer than the target runs as a specdec draft_model only")
     p.add_argument("--k", type=int, default=5, help="draft tokens per step (assisted and draft_model, fixed)")
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
     p.add_argument("--systems", nargs="+", default=None, help="subset of systems to run (default: all available)")
@@ -67,7 +71,8 @@ def _specdec_runner(llm, output_len: int, use_speculation: bool = True):
 
 
 def build_systems(args):
-    """name -> generate(prompt ids) -> output ids; the engines are returned too (roofline, dtype)."""
+    """name -> generate(prompt ids) -> output ids; the engines too (the n-gram one: roofline, dtype;
+    each speculating system's, for its acceptance). Only the systems ``--systems`` names are loaded."""
     from specdec.cli import make_llm
 
     lookup = args.prompt_lookup_num_tokens
@@ -76,35 +81,60 @@ def build_systems(args):
     ngram_llm = make_llm(engine_args(args, speculative=True, speculative_config=ngram, speculative_model=None,
                                      no_speculation=False))
     dtype = ngram_llm.engine.dtype
-    hf = _hf_model(ngram_llm.engine.model_path, dtype)
-    systems = {
-        "transformers generate": _hf_runner(hf, args.output_len),
-        f"transformers prompt lookup {lookup}": _hf_runner(hf, args.output_len, prompt_lookup_num_tokens=lookup),
-        "specdec": _specdec_runner(ngram_llm, args.output_len, use_speculation=False),
-        f"specdec ngram K={min(lookup, 16)}": _specdec_runner(ngram_llm, args.output_len),
+
+    def specdec_llm(config: dict):
+        return make_llm(engine_args(args, speculative=True, speculative_config=json.dumps(config),
+                                    speculative_model=None, no_speculation=False))
+
+    hf = []  # the transformers target, loaded on first use
+
+    def hf_runner(**kwargs):
+        if not hf:
+            hf.append(_hf_model(ngram_llm.engine.model_path, dtype))
+        return _hf_runner(hf[0], args.output_len, **kwargs), None
+
+    ngram_name = f"specdec ngram K={min(lookup, 16)}"
+    builders = {  # name -> () -> (generate, the engine whose metrics it reports, or None)
+        "transformers generate": hf_runner,
+        f"transformers prompt lookup {lookup}": lambda: hf_runner(prompt_lookup_num_tokens=lookup),
+        "specdec": lambda: (_specdec_runner(ngram_llm, args.output_len, use_speculation=False), None),
+        ngram_name: lambda: (_specdec_runner(ngram_llm, args.output_len), ngram_llm),
     }
-    if args.draft_model:
-        hf_draft = _hf_model(args.draft_model, dtype)
-        systems[f"transformers assisted K={args.k}"] = _hf_runner(
-            hf, args.output_len, assistant_model=hf_draft, num_assistant_tokens=args.k,
+    for n, draft_path in enumerate(args.draft_model or []):
+        config = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": args.k}
+        tag = f" ({Path(draft_path).name})" if len(args.draft_model) > 1 else ""
+
+        def speculating(config=config):
+            llm = specdec_llm(config)
+            return _specdec_runner(llm, args.output_len), llm
+
+        builders[f"specdec draft_model K={args.k}{tag}"] = speculating
+        if n or not _same_tokenizer(ngram_llm, draft_path):  # transformers' assisted generation: one shared vocabulary
+            continue
+        builders[f"transformers assisted K={args.k}"] = lambda draft_path=draft_path: hf_runner(
+            assistant_model=_hf_model(draft_path, dtype), num_assistant_tokens=args.k,
             num_assistant_tokens_schedule="constant")
-        draft = json.dumps({"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k})
-        draft_llm = make_llm(engine_args(args, speculative=True, speculative_config=draft, speculative_model=None,
-                                         no_speculation=False))
-        systems[f"specdec draft_model K={args.k}"] = _specdec_runner(draft_llm, args.output_len)
-        wants_int8 = not args.systems or any("int8" in name for name in args.systems)
-        if ngram_llm.engine.device.type == "cpu" and wants_int8:  # the draft's bytes cap the speedup
-            draft8 = json.dumps({"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k,
-                                 "quantization": "int8_dynamic"})
-            draft8_llm = make_llm(engine_args(args, speculative=True, speculative_config=draft8,
-                                              speculative_model=None, no_speculation=False))
-            systems[f"specdec draft_model K={args.k} int8 draft"] = _specdec_runner(draft8_llm, args.output_len)
+        if ngram_llm.engine.device.type == "cpu":  # the draft's bytes cap the speedup
+            builders[f"specdec draft_model K={args.k} int8 draft"] = partial(
+                speculating, dict(config, quantization="int8_dynamic"))
     if args.systems:
-        unknown = [s for s in args.systems if s not in systems]
+        unknown = [s for s in args.systems if s not in builders]
         if unknown:
-            raise ValueError(f"--systems: unknown {unknown}; available: {sorted(systems)}")
-        systems = {name: fn for name, fn in systems.items() if name in args.systems}
-    return systems, ngram_llm
+            raise ValueError(f"--systems: unknown {unknown}; available: {sorted(builders)}")
+    systems, engines = {}, {}
+    for name, build in builders.items():
+        if not args.systems or name in args.systems:
+            systems[name], engine = build()
+            if engine is not None:
+                engines[name] = engine
+    return systems, ngram_llm, engines
+
+
+def _same_tokenizer(llm, draft_path: str) -> bool:
+    from specdec.engine.builder import load_tokenizer
+    from specdec.models.loader import resolve_model_path
+
+    return load_tokenizer(resolve_model_path(draft_path)).get_vocab() == llm.tokenizer.get_vocab()
 
 
 def measure(args) -> dict:
@@ -112,7 +142,7 @@ def measure(args) -> dict:
         raise ValueError("--num-prompts and --num-iters must be >= 1")
     if args.temperature != 0:
         raise ValueError("compare checks greedy agreement: --temperature must be 0")
-    systems, llm = build_systems(args)
+    systems, llm, engines = build_systems(args)
     prompts = driver.make_prompts(llm, args.prompts, args.num_prompts, args.input_len, seed=args.seed * 7919)
     warm = prompts[0][: max(1, args.input_len // 4)]
     for fn in systems.values():  # warm-up: first-call allocations, oneDNN primitive caches
@@ -139,7 +169,10 @@ def measure(args) -> dict:
         tps = median(rates[name])
         rows.append({"system": name, "tokens_per_s": tps, "tokens_per_s_per_iter": rates[name],
                      "roofline_fraction": paired_fraction(rates[name], bandwidths, roof),
-                     "agreement_with_reference": driver.agreement(reference, outputs[name])})
+                     "agreement_with_reference": driver.agreement(reference, outputs[name]),
+                     # drafts per step accepted + 1, over the whole run (warm-up included)
+                     "mean_acceptance_length": engines[name].get_metrics().get("mean_acceptance_length")
+                     if name in engines else None})
     if "specdec" in outputs:  # speculation must not change what the engine itself decodes
         for r in rows:
             r["agreement_with_specdec"] = driver.agreement(outputs["specdec"], outputs[r["system"]])
@@ -167,10 +200,11 @@ def render(result: dict) -> str:
              f"{cfg['num_iters']} iterations (medians); roofline {roof['tokens_per_s']:.2f} tok/s at "
              f"{roof['bandwidth_gb_per_s']:.1f} GB/s"]
     headers = ["system", "tok/s (e2e)", "vs transformers", "roofline frac", "identical outputs", "prefix agreement",
-               "identical to specdec plain"]
+               "identical to specdec plain", "mean acc. length"]
     rows = [[r["system"], r["tokens_per_s"], r["speedup_vs_reference"], r["roofline_fraction"],
              r["agreement_with_reference"]["identical_fraction"],
              r["agreement_with_reference"]["mean_prefix_agreement"],
-             (r.get("agreement_with_specdec") or {}).get("identical_fraction")] for r in result["rows"]]
+             (r.get("agreement_with_specdec") or {}).get("identical_fraction"), r.get("mean_acceptance_length")]
+            for r in result["rows"]]
     lines.append(format_table(headers, rows))
     return "\n\n".join(lines)

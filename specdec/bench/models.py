@@ -88,7 +88,7 @@ def make_layer_skip_draft(target_dir: str | Path, out_dir: str | Path, num_layer
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from specdec.models.loader import _safetensors_files
+    from specdec.models.loader import safetensors_files
 
     target, out = Path(target_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -96,7 +96,7 @@ def make_layer_skip_draft(target_dir: str | Path, out_dir: str | Path, num_layer
     if not 1 <= num_layers <= config["num_hidden_layers"]:
         raise ValueError(f"num_layers must be in 1..{config['num_hidden_layers']}, got {num_layers}")
     tensors = {}
-    for file in _safetensors_files(str(target)):
+    for file in safetensors_files(str(target)):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 parts = name.split(".")

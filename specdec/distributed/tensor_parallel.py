@@ -67,6 +67,8 @@ class _Split:
         self.local_intermediate = self.intermediate // world
         self.local_expert_intermediate = self.expert_intermediate // world
         self.local_vocab = self.vocab // world
+        # a family's own (name pattern, (start, end), dim) slices, tried before the table below
+        self.rules: list[tuple[re.Pattern, tuple[int, int], int]] = []
 
     def kv_head_range(self) -> tuple[int, int]:
         if self.kv_heads >= self.world:
@@ -103,12 +105,27 @@ def _linear_like(linear: nn.Linear, in_features: int, out_features: int) -> nn.L
 
 
 def shard_shapes(model: nn.Module, tp: TensorParallelGroup) -> None:
-    """Resize a (meta-device) Llama-family model to this rank's shapes, in place."""
+    """Resize a (meta-device) model to this rank's shapes, in place: the Llama-family split, or
+    the family's own (``shard_layers_for_tensor_parallel(split)``, e.g. DeepSeek's latent
+    attention, which also adds its checkpoint slicing rules to ``split.rules``)."""
+    split = _Split(model.config, tp.world_size, tp.rank)
+    own_split = getattr(model, "shard_layers_for_tensor_parallel", None)
+    if own_split is not None:
+        own_split(split)
+    else:
+        _shard_llama_layers(model, split)
+    hidden = model.config.hidden_size
+    embed = model.embed_tokens
+    model.embed_tokens = nn.Embedding(split.local_vocab, hidden, device=embed.weight.device, dtype=embed.weight.dtype)
+    model.lm_head = _linear_like(model.lm_head, hidden, split.local_vocab)
+    model.tensor_parallel_split = split
+
+
+def _shard_llama_layers(model: nn.Module, split: _Split) -> None:
     attn_kind = type(model.layers[0].self_attn)
-    if not hasattr(model.layers[0].self_attn, "qkv_proj"):  # e.g. DeepSeek's latent attention
+    if not hasattr(model.layers[0].self_attn, "qkv_proj"):
         raise ValueError(f"{type(model).__name__} cannot run with tensor_parallel_size > 1 yet: its attention "
                          f"({attn_kind.__name__}) has no head-sharded form")
-    split = _Split(model.config, tp.world_size, tp.rank)
     hidden = model.config.hidden_size
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -123,10 +140,6 @@ def shard_shapes(model: nn.Module, tp: TensorParallelGroup) -> None:
                 _shard_feed_forward(expert, hidden, split.local_expert_intermediate)
         else:
             _shard_feed_forward(mlp, hidden, split.local_intermediate)
-    embed = model.embed_tokens
-    model.embed_tokens = nn.Embedding(split.local_vocab, hidden, device=embed.weight.device, dtype=embed.weight.dtype)
-    model.lm_head = _linear_like(model.lm_head, hidden, split.local_vocab)
-    model.tensor_parallel_split = split
 
 
 def _shard_feed_forward(mlp: nn.Module, hidden: int, local_intermediate: int) -> None:
@@ -171,6 +184,9 @@ class ShardSlicer:
         self.split = split
 
     def read(self, name: str, safetensors_slice) -> torch.Tensor:
+        for pattern, (start, end), dim in self.split.rules:
+            if pattern.search(name):
+                return safetensors_slice[(slice(None),) * dim + (slice(start, end),)]
         for pattern, kind, dim in _SLICED:
             if pattern.search(name):
                 start, end = self.split.rows(kind)
@@ -198,9 +214,10 @@ class RowParallelLinear(nn.Module):
 
 
 class RowParallelMoE(nn.Module):
-    """y = all_reduce(sum of this rank's expert partials): one reduction per MoE layer."""
+    """y = all_reduce(sum of this rank's expert partials): one reduction per MoE layer (shared
+    experts, as DeepSeek's, included: their partials join the same sum)."""
 
-    def __init__(self, moe: SparseMoE, tp: TensorParallelGroup):
+    def __init__(self, moe: nn.Module, tp: TensorParallelGroup):
         super().__init__()
         self.moe = moe
         self.tp = tp
@@ -248,7 +265,7 @@ def wrap_collectives(model: nn.Module, tp: TensorParallelGroup) -> None:
     split = model.tensor_parallel_split
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, tp)
-        if isinstance(layer.mlp, SparseMoE):
+        if not hasattr(layer.mlp, "down_proj"):  # a mixture of experts: one reduction after the sum
             layer.mlp = RowParallelMoE(layer.mlp, tp)
         else:
             layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, tp)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.config import EngineConfig
+from specdec.engine.kv_layout import KVGroup, kv_groups
 from specdec.models.loader import load_config, resolve_model_path
 from specdec.spec_decode.methods import SpecMethod, method_of
 
@@ -21,9 +22,9 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     generation_defaults: dict
-    # the window of every layer of every model reading the KV block tables, None if any layer is
-    # global: KV behind it is freed as requests advance (``KVCacheManager``)
-    kv_sliding_window: int | None = None
+    # the target's layers grouped by sliding window, one block table each (``engine/kv_layout.py``):
+    # KV behind a group's window is freed as requests advance (``KVCacheManager``)
+    kv_groups: tuple[KVGroup, ...] = ()
 
 
 def load_tokenizer(path: str):
@@ -88,15 +89,17 @@ def all_layers_window(config) -> int | None:
     return None if not windows or None in windows else max(windows)
 
 
-def kv_sliding_window(config, draft_config, method: SpecMethod | None) -> int | None:
-    """Proposers without a KV cache (n-gram, suffix, replay) read nothing behind the window; a draft
-    model (``draft_config``) must be all-sliding too; a head without a config of its own here
-    (EAGLE) attends to everything."""
-    window = all_layers_window(config)
-    if window is None or method is None or not method.draft_kv_cache:
-        return window
-    draft_window = all_layers_window(draft_config) if draft_config is not None else None
-    return None if draft_window is None else max(window, draft_window)
+def target_kv_groups(config, draft_config, method: SpecMethod | None) -> tuple[KVGroup, ...]:
+    """Proposers without a KV cache (n-gram, suffix, replay) read no block table; a draft model
+    (``draft_config``) reads the primary group's with its own window (all-sliding) or all of it; a
+    head without a config of its own here (EAGLE) attends to everything."""
+    from specdec.models.llama import layer_sliding_window
+
+    windows = [layer_sliding_window(config, i) for i in range(config.num_hidden_layers)]
+    draft_window = False
+    if method is not None and method.draft_kv_cache:
+        draft_window = all_layers_window(draft_config) if draft_config is not None else None
+    return kv_groups(windows, draft_window)
 
 
 def check_tree_depth(spec, configs) -> None:
@@ -135,7 +138,7 @@ def resolve_model_info(cfg: EngineConfig) -> ModelInfo:
         max_model_len = draft_limit
     check_tree_depth(spec, (config, draft_cfg))
     return ModelInfo(path, config, tokenizer, max_model_len, config.vocab_size, eos_ids(path, tokenizer, config),
-                     generation_defaults(path), kv_sliding_window(config, draft_cfg, method))
+                     generation_defaults(path), target_kv_groups(config, draft_cfg, method))
 
 
 def check_vocab_compatible(tokenizer, config, draft_tokenizer, draft_config, draft_path: str) -> None:

@@ -51,7 +51,8 @@ class EngineCore:
         self.vocab_size = info.vocab_size
         self.eos_token_ids = info.eos_token_ids
         self.generation_defaults = info.generation_defaults
-        worker_args = (info.model_path, info.model_config, info.vocab_size, info.max_model_len, info.eos_token_ids)
+        worker_args = (info.model_path, info.model_config, info.vocab_size, info.max_model_len, info.eos_token_ids,
+                       info.kv_groups)
         if config.tensor_parallel_size > 1:
             from specdec.executor.multiproc_executor import MultiprocExecutor
 
@@ -60,8 +61,7 @@ class EngineCore:
             self.executor = UniprocExecutor(Worker(config, *worker_args, target_weights=target_weights))
         self.runtime_plan = self.executor.runtime_plan
         self.device, self.dtype = self.runtime_plan.device, self.runtime_plan.dtype
-        self.kv = KVCacheManager(self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                 info.kv_sliding_window)
+        self.kv = KVCacheManager.from_layout(self.runtime_plan.kv_layout, config.enable_prefix_caching)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.enable_chunked_prefill, stop_checker=self.output,
@@ -70,7 +70,11 @@ class EngineCore:
         spec = config.speculative_config
         self.spec_controller = SpecController.build(spec, self.max_model_len) if spec else None
         if self.spec_controller is not None and self.spec_controller.adaptive and config.spec_cost_calibration:
-            self.spec_controller.calibrate(lambda kind, n: self.executor.collective_rpc("time_forward", kind, n))
+            rpc = self.executor.collective_rpc
+            self.spec_controller.calibrate(lambda kind, n: rpc("time_forward", kind, n),
+                                           lambda batch, rows: rpc("time_verify_forward", batch, rows),
+                                           rpc("verification_batch_sizes", config.max_num_seqs,
+                                               self.spec_controller.max_k + 1))
         self.spec_metrics = SpecDecodeMetrics(method=spec.method if spec else "none")
         self.groups = RequestGroups(self.output)
         self.step_observers: list[Callable[[StepRecord], None]] = [self.spec_metrics.observe_step]

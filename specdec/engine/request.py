@@ -69,6 +69,10 @@ class TokenSequence:
         self.output_token_ids.append(token)
         self._all_token_ids.append(token)
 
+    def append_output_tokens(self, tokens: list[int]) -> None:
+        self.output_token_ids.extend(tokens)
+        self._all_token_ids.extend(tokens)
+
     @property
     def max_tokens(self) -> int:
         return self.sampling_params.max_tokens or 1 << 62

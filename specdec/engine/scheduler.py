@@ -78,13 +78,17 @@ class Scheduler:
         plan = plan or NO_PLAN
         out = SchedulerOutput(tree_budget=plan.tree_budget)
         budget = self.max_num_batched_tokens
+        # without any drafts planned no request reserves slots for the next ones
+        plans_drafts = bool(plan.num_spec_tokens) or plan.new_request_spec_tokens > 0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            completes = num_new == req.num_tokens - req.num_computed_tokens
-            num_spec = self._spec_slots(req, len(req.spec_token_ids), budget - num_new) if completes else 0
-            num_next = self._next_slots(req, plan) if completes else 0
+            num_left = req.num_tokens - req.num_computed_tokens
+            num_new = min(num_left, budget)
+            completes = num_new == num_left
+            num_spec = self._spec_slots(req, len(req.spec_token_ids), budget - num_new) \
+                if completes and req.spec_token_ids else 0
+            num_next = self._next_slots(req, plan) if completes and plans_drafts else 0
             # the next drafts' slots: the newest token's and one per draft (the worker writes draft KV there)
             while not self.kv.allocate_slots(req, num_new + num_spec + (num_next + 1 if num_next else 0)):
                 if num_next:  # first give up the next drafts, then this step's, then preempt the newest request
@@ -117,6 +121,7 @@ class Scheduler:
         out.tree_depths.append(depth if num_next else 0)
         out.num_output_tokens.append(req.num_output_tokens)
         out.block_ids.append(self.kv.get_block_ids(req.request_id))
+        out.group_block_ids.append(self.kv.get_group_block_ids(req.request_id))
         if req.request_id not in self._sent_to_worker:
             self._sent_to_worker.add(req.request_id)
             out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
@@ -134,7 +139,7 @@ class Scheduler:
                     break
                 num_new = budget
             completes = num_new == req.num_tokens - num_hit
-            num_next = self._next_slots(req, plan) if completes else 0
+            num_next = self._next_slots(req, plan) if completes and plan.new_request_spec_tokens else 0
             if not self.kv.allocate_slots(req, num_new + (num_next + 1 if num_next else 0), computed_blocks):
                 if not num_next or not self.kv.allocate_slots(req, num_new, computed_blocks):
                     break
@@ -171,33 +176,34 @@ class Scheduler:
         now = time.monotonic()
         updated: list[Request] = []
         num_emitted: list[int] = []
-        for i, rid in enumerate(sched.request_ids):
+        append_token = self.stop_checker.append_token
+        no_drafts = [[]] * len(sched.request_ids)
+        for rid, n, num_output, tokens, drafts, num_drafted, accepted, logprobs in zip(
+                sched.request_ids, sched.num_scheduled_tokens, sched.num_output_tokens, result.sampled_token_ids,
+                result.draft_token_ids or no_drafts, result.num_draft_tokens, result.num_accepted_tokens,
+                result.logprobs, strict=True):
             req = self.requests[rid]
-            n = sched.num_scheduled_tokens[i]
-            tokens = result.sampled_token_ids[i]
             if not tokens:  # a prefill chunk that does not complete the prompt
                 req.num_computed_tokens += n
                 self.kv.cache_full_blocks(req)
                 num_emitted.append(0)
                 continue
-            drafts = result.draft_token_ids[i] if result.draft_token_ids else []
-            accepted = result.num_accepted_tokens[i]
-            if result.num_draft_tokens[i]:
+            if num_drafted:
                 req.num_drafts += 1
-                req.num_draft_tokens += result.num_draft_tokens[i]
+                req.num_draft_tokens += num_drafted
                 req.num_accepted_tokens += accepted
             num_computed = req.num_computed_tokens + n + accepted  # the fed tokens + accepted drafts
-            logprobs = result.logprobs[i]
             status = None
             for j, token in enumerate(tokens):
                 if req.output_logprobs is not None:
                     req.output_logprobs.append(logprobs[j])
-                status = self.stop_checker.append_token(req, token)
+                status = append_token(req, token)
                 if status is not None:
                     break
-            num_emitted.append(req.num_output_tokens - sched.num_output_tokens[i])
+            num_emitted.append(req.num_output_tokens - num_output)
             # a stop inside the accepted run keeps fewer tokens than were computed
-            req.num_computed_tokens = min(num_computed, req.num_tokens)
+            num_tokens = req.num_tokens
+            req.num_computed_tokens = min(num_computed, num_tokens)
             req.first_token_time = req.first_token_time or now
             req.last_token_time = now
             self.kv.cache_full_blocks(req)
@@ -206,8 +212,8 @@ class Scheduler:
             else:
                 # the drafts are kept only while the worker's tokens are the request's: a stop
                 # finishes the request, so a kept run always is
-                req.spec_token_ids = list(drafts) if req.is_decoding else []
-                self.kv.truncate(req, req.num_tokens + len(req.spec_token_ids))
+                req.spec_token_ids = list(drafts) if drafts and num_tokens - req.num_computed_tokens == 1 else []
+                self.kv.truncate(req, num_tokens + len(req.spec_token_ids))
             updated.append(req)
         return updated, num_emitted
 

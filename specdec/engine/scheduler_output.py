@@ -36,6 +36,8 @@ class SchedulerOutput:
     tree_depths: list[int] = field(default_factory=list)  # per request: those drafts' tree depth (0: the proposer's)
     num_output_tokens: list[int] = field(default_factory=list)  # per request, before this step
     block_ids: list[list[int]] = field(default_factory=list)  # per request: its KV blocks (target and draft caches)
+    # per request: its blocks in the other KV cache groups (sliding-window layers of a hybrid model), () with one
+    group_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)  # preempted in this step: their KV is gone
     tree_budget: TreeBudget | None = None

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from specdec.layers.tree_mask import PackedTreeMask, pack_tree_masks
 
+_Plan = TypeVar("_Plan")
 
 @dataclass
 class AttentionMetadata:
@@ -45,12 +47,15 @@ class AttentionMetadata:
     tree_packed: PackedTreeMask | None = None
     # LoRA: each row's adapter slot (``specdec.layers.lora.LoRAMapping``); None: the base model
     lora_mapping: object | None = None
+    # hybrid models: the metadata of the layers with each of these sliding windows, which read
+    # their own KV cache group's block tables and slots (``engine/kv_layout.py``); None: one group
+    window_views: dict | None = field(default=None, repr=False, compare=False)
     # derived once per step from the host copies and shared by every layer
     query_lens: list[int] = field(init=False, repr=False, compare=False)  # [num_reqs]
     _groups: list | None = field(default=None, init=False, repr=False, compare=False)
     _padded: tuple | None = field(default=None, init=False, repr=False, compare=False)
-    _torch_plan: object | None = field(default=None, init=False, repr=False, compare=False)
-    _rows_plan: object | None = field(default=None, init=False, repr=False, compare=False)
+    # each backend's own per-step plan under the backend's name (``plan_for``); never read here
+    backend_plans: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         q = self.query_start_loc_cpu
@@ -62,6 +67,19 @@ class AttentionMetadata:
             self.tree_packed = pack_tree_masks(self.tree_masks, self.query_start_loc_cpu, self.seq_lens_cpu,
                                                self.seq_lens.device)
         return self.tree_packed
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """The metadata a layer with this sliding window reads (itself with one KV cache group)."""
+        return self if self.window_views is None else self.window_views.get(window, self)
+
+    def plan_for(self, backend: str, build: Callable[[AttentionMetadata], _Plan]) -> _Plan:
+        """The per-step plan of ``backend`` (its own typed object: gather tables, masks, tree
+        inputs), built by ``build`` from this metadata for the step's first layer and shared by
+        the others. The metadata holds plans without knowing their types."""
+        plan = self.backend_plans.get(backend)
+        if plan is None:
+            plan = self.backend_plans[backend] = build(self)
+        return plan
 
     @property
     def num_reqs(self) -> int:

@@ -78,12 +78,18 @@ class _TorchPlan:
     workspace: dict = field(default_factory=dict)  # gather and matmul buffers, reused layer after layer
 
 
-def _torch_plan(meta: AttentionMetadata, window: int | None) -> _TorchPlan:
-    """The plan for layers with this sliding window (None: full attention), cached on the step.
+@dataclass
+class TorchPlans:
+    """The torch backend's per-step plan (``AttentionMetadata.plan_for("torch", ...)``): one
+    ``_TorchPlan`` per sliding window its layers use (None: full attention), built on first use."""
+    by_window: dict[int | None, _TorchPlan] = field(default_factory=dict)
+
+
+def torch_plan(meta: AttentionMetadata, window: int | None) -> _TorchPlan:
+    """The plan for layers with this sliding window (None: full attention), built once per step.
     A sliding layer gathers only the blocks from its first row's window on: request r's key
     column c is key ``offset[r] + c``."""
-    plans = meta._torch_plan if meta._torch_plan is not None else {}
-    meta._torch_plan = plans
+    plans = meta.plan_for("torch", lambda _: TorchPlans()).by_window
     seq_lens, bs = meta.seq_lens_cpu, meta.block_size
     max_len = max(seq_lens)
     if window is not None and window >= max_len:
@@ -168,7 +174,7 @@ def paged_attention_torch(
         return out
     # decode rows next to verification rows of different K are padded to the longest: one call
     # costs less than one per length
-    plan = _torch_plan(meta, sliding_window)
+    plan = torch_plan(meta, sliding_window)
     num_reqs = meta.num_reqs
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, bs = kv_cache.shape[3], meta.block_size

@@ -14,6 +14,14 @@ mapping to the layers for the duration of the forward, so a model call without o
 pass, a calibration) runs the base model. Rows of one adapter go through one matmul pair
 (grouped by slot), never a merge per request.
 
+On a CPU whose base linear streams bf16 weights in pair layout (``Bf16WeightLinear``, what
+``dtype="auto"`` builds), the adapters are kept the same way: A and B in bf16 through the same
+row-consistent pair kernel (a row's delta is independent of the call's rows, so speculative
+verification equals plain decoding), every step on the masked path (the kernel adds the other
+slots' exact zeros in a fixed order), with the parts' B as one block-diagonal matrix (one
+kernel call per fused linear). Half the bytes of float32 adapters, which a decode step streams
+whole.
+
 Tensor parallelism: a column-parallel linear keeps every A whole and this rank's rows of B; a
 row-parallel one (``o_proj``, ``down_proj``) keeps this rank's input columns of A, so ``x A^T``
 is a partial sum, all-reduced ([T, r]: small) before B.
@@ -110,6 +118,10 @@ class LoRALinear(nn.Module):
         for p, size in enumerate(sizes):  # [L * R, out_p] each
             self.register_buffer(f"lora_bt{p}", torch.zeros(width, size, dtype=dtype, device=device), persistent=False)
         self.slot_ranks = [0] * max_loras  # the largest rank loaded per slot (0: empty)
+        # bf16 pair-layout copies of lora_a and each lora_bt (None: float32 matmuls), rebuilt by set_slot
+        self.bf16 = _bf16_pairs_fit(base, self.lora_a.shape, [(size, width) for size in sizes])
+        self.a16: nn.Module | None = None
+        self.b16: nn.Module | None = None
 
     @property
     def lora_bt(self) -> list[torch.Tensor]:
@@ -131,12 +143,17 @@ class LoRALinear(nn.Module):
             self.lora_bt[p][first:first + r].copy_(b[start:end].T)
             rank = max(rank, r)
         self.slot_ranks[slot] = rank
+        if self.bf16:  # B block-diagonal over the parts: one kernel call per step for a fused linear
+            self.a16 = _bf16_linear(self.lora_a)
+            self.b16 = _bf16_linear(torch.block_diag(*[bt.T for bt in self.lora_bt]))  # [out, P * L * R]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
         out = self.base(x)
         mapping = self.context.mapping
         if mapping is None:
             return out
+        if self.a16 is not None:
+            return self._bf16_masked(x, out, mapping)
         if x.shape[0] * self.lora_a.shape[0] <= DENSE_MAX_ELEMENTS:
             # a small step (decode, verification): every slot's columns, each row masked to its own
             # slot: a few ops whatever the number of adapters (per-op cost dominates here)
@@ -162,6 +179,13 @@ class LoRALinear(nn.Module):
                 out.index_add_(0, rows, delta)
         return out
 
+    def _bf16_masked(self, x: torch.Tensor, out: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+        xa = self.a16(x)  # [T, P * L * R] float32
+        if self.tp is not None:
+            xa = self.tp.all_reduce(xa)
+        xa.mul_(mapping.slot_mask(len(self.parts), self.max_loras, self.max_rank, xa.dtype))
+        return out.add_(self.b16(xa).to(out.dtype))
+
     def slot_delta(self, x: torch.Tensor, slot: int) -> torch.Tensor:  # x [n, in] -> [n, out]
         first, r, num_parts = slot * self.max_rank, self.max_rank, len(self.parts)
         a = self.lora_a.view(num_parts, self.max_loras, r, -1)[:, slot].reshape(num_parts * r, -1)  # [P * R, in]
@@ -170,6 +194,26 @@ class LoRALinear(nn.Module):
             xa = self.tp.all_reduce(xa)
         return torch.cat([xa[:, p * r:(p + 1) * r] @ bt[first:first + r] for p, bt in enumerate(self.lora_bt)],
                          dim=1)
+
+
+def _bf16_pairs_fit(base: nn.Module, a_shape, bt_shapes) -> bool:
+    """Whether the adapters go bf16 (see the module doc): the base is a pair-layout bf16 linear and
+    A [N, K] and every B [out_p, L * R] take the pair layout with the kernel (K a multiple of 32)."""
+    from specdec.kernels.cpu import woq_cpu
+    from specdec.layers.quantization import Bf16WeightLinear
+
+    if not (isinstance(base, Bf16WeightLinear) and base.pairs and woq_cpu.extension() is not None):
+        return False
+    return all(woq_cpu.supports_pairs(n, k) for n, k in [tuple(a_shape), *bt_shapes])
+
+
+def _bf16_linear(weight: torch.Tensor) -> nn.Module:
+    """A bias-free ``Bf16WeightLinear`` (pair layout) of a float32 [N, K] weight rounded to bf16."""
+    from specdec.layers.quantization import Bf16WeightLinear
+
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.detach().to(torch.bfloat16).contiguous(), requires_grad=False)
+    return Bf16WeightLinear(linear)
 
 
 def lora_reference(x: torch.Tensor, row_slots: list[int], slot_weights: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from specdec.layers.attention import AttentionMetadata
-from specdec.layers.attention_torch import MAX_PADDED_QUERY_LEN, _gather, _torch_plan, _workspace_buffer
+from specdec.layers.attention_torch import MAX_PADDED_QUERY_LEN, _gather, _workspace_buffer, torch_plan
 
 
 def latent_cache_shape(num_blocks: int, block_size: int, latent_dim: int, rope_dim: int) -> tuple[int, ...]:
@@ -94,7 +94,7 @@ def mla_attention(
         for rows, sub in meta.query_len_groups():
             out[rows] = mla_attention(query[rows], kv_cache, sub, scale, latent_dim)
         return out
-    plan = _torch_plan(meta, None)
+    plan = torch_plan(meta, None)
     num_reqs, num_heads, width = meta.num_reqs, query.shape[1], query.shape[2]
     q_len, key_len = plan.q_len, plan.key_len
     dtype = torch.float32 if query.device.type == "cpu" else query.dtype  # scores in float32 on CPU
@@ -139,7 +139,7 @@ def mla_attention_expanded(
         for rows, sub in meta.query_len_groups():
             out[rows] = mla_attention_expanded(q_nope[rows], q_rope[rows], kv_cache, sub, scale, w_uk, w_uv)
         return out
-    plan = _torch_plan(meta, None)
+    plan = torch_plan(meta, None)
     num_reqs, num_heads, latent_dim = meta.num_reqs, q_nope.shape[1], w_uk.shape[2]
     q_len, key_len = plan.q_len, plan.key_len
     rows = _gather(kv_cache[0], plan, "mla_latent").view(num_reqs, -1, kv_cache.shape[-1])[:, :key_len]

@@ -206,6 +206,51 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return latent_cache_shape(num_blocks, block_size, self.config.kv_lora_rank, self.config.qk_rope_head_dim)
 
+    def shard_layers_for_tensor_parallel(self, split) -> None:
+        """Resize the (meta-device) layers to one rank's heads and expert widths and add the slices
+        to read (``specdec.distributed.tensor_parallel``): the query up-projection (``q_b_proj`` or
+        ``q_proj``) and ``kv_b_proj`` column-parallel by head, ``o_proj`` row-parallel by head;
+        ``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms whole on every rank. The latent cache
+        is so replicated: each rank computes the same latent and rotary key (R + r values per
+        token, a fraction of one head's K and V) and its heads read all of it; sharding it would
+        split the absorbed scores' sum over R across ranks, a reduction inside every attention.
+        Routed and shared experts split their intermediate width; the MoE layer reduces once."""
+        from specdec.distributed.tensor_parallel import _check_divides, _linear_like, _shard_feed_forward
+
+        config, world, rank = self.config, split.world, split.rank
+        local = split.local_heads
+        q_dim, kv_dim = config.qk_nope_head_dim + config.qk_rope_head_dim, config.qk_nope_head_dim + config.v_head_dim
+        v_dim, hidden = config.v_head_dim, config.hidden_size
+        shared_width = config.moe_intermediate_size * (_cfg(config, "n_shared_experts", 0) or 0)
+        _check_divides(world, "shared experts' intermediate size", shared_width)
+        first = rank * local
+        split.rules += [
+            (re.compile(r"\.self_attn\.(q_b_proj|q_proj)\.weight$"), (first * q_dim, (first + local) * q_dim), 0),
+            (re.compile(r"\.self_attn\.kv_b_proj\.weight$"), (first * kv_dim, (first + local) * kv_dim), 0),
+            (re.compile(r"\.self_attn\.o_proj\.weight$"), (first * v_dim, (first + local) * v_dim), 1),
+            (re.compile(r"\.shared_experts\.(gate|up)_proj\.weight$"),
+             (rank * shared_width // world, (rank + 1) * shared_width // world), 0),
+            (re.compile(r"\.shared_experts\.down_proj\.weight$"),
+             (rank * shared_width // world, (rank + 1) * shared_width // world), 1),
+        ]
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.num_heads = local
+            if attn.q_lora_rank is None:
+                attn.q_proj = _linear_like(attn.q_proj, hidden, local * q_dim)
+            else:
+                attn.q_b_proj = _linear_like(attn.q_b_proj, attn.q_lora_rank, local * q_dim)
+            with torch.device(attn.kv_b_proj.weight.device):
+                attn.kv_b_proj = LatentUpProjection(attn.latent_dim, local * kv_dim)
+            attn.o_proj = _linear_like(attn.o_proj, local * v_dim, hidden)
+            if isinstance(mlp, DeepseekMoE):
+                for expert in mlp.routed.experts:
+                    _shard_feed_forward(expert, hidden, split.local_expert_intermediate)
+                if mlp.shared_experts is not None:
+                    _shard_feed_forward(mlp.shared_experts, hidden, shared_width // world)
+            else:
+                _shard_feed_forward(mlp, hidden, split.local_intermediate)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -248,7 +293,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         rope, nope = config.qk_rope_head_dim, config.qk_nope_head_dim
         perm = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
         if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
-            heads = tensor.view(config.num_attention_heads, nope + rope, -1)
+            heads = tensor.view(-1, nope + rope, tensor.shape[-1])  # this rank's heads under tensor parallelism
             return torch.cat([heads[:, :nope], heads[:, nope:][:, perm]], dim=1).reshape(tensor.shape)
         if ".self_attn.kv_a_proj_with_mqa." in name:
             latent = config.kv_lora_rank

@@ -97,6 +97,8 @@ class Attention(nn.Module):
         """rope: the (cos, sin) rows of this step's positions, from ``RotaryEmbedding.lookup``."""
         qkv = self.qkv_proj(hidden)
         opts = self.options()
+        if getattr(meta, "window_views", None):  # a hybrid model: this layer's KV cache group
+            meta = meta.for_window(self.sliding_window)
         if self.q_norm is None and self.backend.qkv_attend is not None and self.rotary_dim == self.head_dim:
             with profile_range("attention"):
                 out = self.backend.qkv_attend(qkv, *rope, kv_cache, meta, self.scale, self.num_heads, **opts)

@@ -46,7 +46,7 @@ def load_config(path: str):
     return config
 
 
-def _safetensors_files(path: str) -> list[Path]:
+def safetensors_files(path: str) -> list[Path]:
     folder = Path(path)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -65,7 +65,7 @@ def _safetensors_files(path: str) -> list[Path]:
 def iterate_weights(path: str, slicer=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every checkpoint weight; with ``slicer`` (tensor parallelism) only this
     rank's slice of each is read."""
-    for file in _safetensors_files(path):
+    for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, (f.get_tensor(name) if slicer is None else slicer.read(name, f.get_slice(name)))

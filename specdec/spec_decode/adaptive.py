@@ -72,12 +72,13 @@ def choose_num_spec_tokens(
     num_other_tokens: int = 0,
     draft_per_token: bool = True,
     weights: Sequence[float] | None = None,
+    step_overhead: float = 0.0,
 ) -> list[int]:
     """Per-request K in 0..max_k maximising the batch's tokens per second.
 
     Objective for choices K_i over B decoding requests plus ``num_other_tokens`` (prefill
     chunks) in the same target pass:
-        (sum_i E_i(K_i) + num_other_tokens) / (draft_time + target(sum_i (K_i + 1) + num_other_tokens))
+        (sum_i E_i(K_i) + num_other_tokens) / (overhead + draft_time + target(sum_i (K_i + 1) + num_other_tokens))
     where E_i is the expected tokens (Leviathan, or per-position products) and a prefill
     token counts as one token of progress - so when prefill already makes the pass
     compute-bound, drafts must beat the marginal cost of a real token. ``draft_time`` is
@@ -91,6 +92,11 @@ def choose_num_spec_tokens(
     max_k prefixes of that order are scored exactly in one vectorised pass, so plateaus
     (flat verification then a cliff) are found; ties go to fewer tokens. K = 0 everywhere
     when no prefix beats not speculating.
+
+    ``step_overhead``: seconds a step spends outside the forwards whatever its K (scheduling,
+    sampling, commit); a step that emits several tokens pays it once, so it makes rows cheaper
+    relative to a step; left out, a target whose rows are costly (a mixture-of-experts one)
+    looks as if no K paid for itself where K = 2..3 does.
 
     ``weights`` (one per request, in (0, 1]) value each request's tokens: the objective's
     numerator becomes sum_i w_i E_i(K_i) + num_other_tokens, the cost is unchanged (see
@@ -128,7 +134,7 @@ def choose_num_spec_tokens(
     base_tokens = num_requests + num_other_tokens
     num_added = np.arange(gains.shape[0] + 1)  # [B * max_k + 1] prefixes
     value = float(w.sum()) + num_other_tokens + np.concatenate([[0.0], np.cumsum(gains)])
-    seconds = cost.costs("target", base_tokens + num_added) + np.concatenate([[0.0], np.cumsum(draft_delta)])
+    seconds = step_overhead + cost.costs("target", base_tokens + num_added) + np.concatenate([[0.0], np.cumsum(draft_delta)])
     throughput = value / np.maximum(seconds, 1e-30)
     best = int(np.flatnonzero(throughput >= throughput.max() * (1.0 - 1e-9))[0])
     return [best] if owner is None else np.bincount(owner[:best], minlength=num_requests).tolist()

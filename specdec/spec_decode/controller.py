@@ -44,6 +44,8 @@ class SpecController:
         self.explore_min_trials = 16
         self.explore_max_steps = 4
         self._num_explored = 0
+        # batch bucket -> [seconds a decode step spends outside its forwards (EMA), steps seen]
+        self._step_overhead: dict[int, list[float]] = {}
         self._new_k: int | None = None  # "auto": K of a new request's first drafts (``_new_request_k``)
         self._new_k_age = 0
         self.replan_new_every = 16
@@ -71,11 +73,24 @@ class SpecController:
         """A policy that plans ``k`` drafts for every decoding request and learns nothing."""
         return cls(k, adaptive=False, draft_is_model=False)
 
-    def calibrate(self, time_forward) -> None:
+    def calibrate(self, time_forward, time_shape=None, batch_sizes: tuple[int, ...] = ()) -> None:
         """Time a few forwards at several token counts so the first steps already have a cost
-        model (``time_forward(kind, num_tokens) -> seconds``: the worker's)."""
+        model (``time_forward(kind, num_tokens) -> seconds``: the worker's). With ``time_shape``
+        (``(num_requests, rows_per_request) -> seconds``, the worker's verification-shaped pass)
+        and ``batch_sizes``, the target is priced on every batch size x 1..max_k + 1 rows instead:
+        a mixture-of-experts target's pass costs what its rows' expert union costs, which grows
+        with each row until every expert is read, so its v(K) bends where a dense model's is
+        nearly flat, and the bend is where "auto" must stop drafting."""
+        if time_shape is not None and batch_sizes:
+            from specdec.spec_decode.cost_model import StepCostModel, shape_token_counts, verification_shapes
+
+            shapes = verification_shapes(batch_sizes, self.max_k + 1)
+            self.cost = StepCostModel(shape_token_counts(shapes), self.cost.ema_rate)
+            self.cost.calibrate_shapes(time_shape, shapes)
+        else:
+            for n in (1, 2, 4, 8, 16, 32, 64):
+                self.cost.set("target", n, time_forward("target", n))
         for n in (1, 2, 4, 8, 16, 32, 64):
-            self.cost.set("target", n, time_forward("target", n))
             self.cost.set("draft", n, time_forward("draft", n))
 
     def plan(self, running: list[Request], closed_batch: bool = False) -> SpeculationPlan:
@@ -113,7 +128,8 @@ class SpecController:
 
         alphas = self.acceptance.unseen_position_acceptance()[None]
         k = choose_num_spec_tokens(alphas, self.max_k, self.cost, num_other_tokens=num_running,
-                                   draft_per_token=self.draft_is_model)[0]
+                                   draft_per_token=self.draft_is_model,
+                                   step_overhead=self.step_overhead(num_running + 1))[0]
         if not k and self._should_explore():
             k = self.max_k
         self._new_k, self._new_k_age = k, 0
@@ -163,7 +179,8 @@ class SpecController:
             # per-position conditional acceptance: copy-style proposers accept in bursts
             alphas = self.acceptance.position_acceptances(ids)
             ks = choose_num_spec_tokens(alphas, self.max_k, self.cost, num_other_tokens=others,
-                                        draft_per_token=self.draft_is_model, weights=weights)
+                                        draft_per_token=self.draft_is_model, weights=weights,
+                                        step_overhead=self.step_overhead(len(reqs)))
             if not any(ks) and not prefilling and self._should_explore():
                 # the prior alone said no: without trying, "auto" would never learn that a strong
                 # draft pays (a few steps of max_k are the price of finding out, once per engine)
@@ -216,11 +233,21 @@ class SpecController:
                 and result.num_draft_first_pass_rows <= 2 * num_drafting):
             self.cost.observe("draft", num_drafting, result.draft_seconds / result.num_draft_passes)
 
+    def step_overhead(self, num_decoding: int) -> float:
+        """Seconds a decode step of ``num_decoding`` requests spends outside its forwards (0 until seen)."""
+        stats = self._step_overhead.get(self.guard.bucket(num_decoding))
+        return stats[0] if stats else 0.0
+
     def _observe_outcome(self, record: StepRecord) -> None:
         """A whole step's tokens and wall time, for the throughput guard (pure decode/verify steps only)."""
         sched, result = record.scheduled, record.result
         if any(n != 1 for n in sched.num_scheduled_tokens):
             return
+        overhead = record.step_seconds - result.target_seconds - result.draft_seconds
+        if overhead >= 0.0:  # a step's part that does not grow with its rows: paid once per step
+            stats = self._step_overhead.setdefault(self.guard.bucket(len(sched.request_ids)), [0.0, 0])
+            stats[0] += max(0.05, 1.0 / (stats[1] + 1)) * (overhead - stats[0])
+            stats[1] += 1
         num_emitted = record.total_emitted_tokens
         if result.expected_accepted:  # adaptive trees: how well the draft's probabilities predict acceptance
             ratio = (num_emitted - len(sched.request_ids)) / result.expected_accepted

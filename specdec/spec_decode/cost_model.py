@@ -1,6 +1,7 @@
 """StepCostModel: measured forward-pass seconds as a function of the tokens in the pass, per
 kind ("target", "draft"), piecewise-linear over token-count knots with EMA updates;
-``calibrate`` times a callable at start-up, ``observe`` refines it every step."""
+``calibrate`` times a callable at start-up (``calibrate_shapes``: verification-shaped passes,
+batch x rows per request), ``observe`` refines it every step."""
 from __future__ import annotations
 
 import math
@@ -11,6 +12,20 @@ import numpy as np
 
 KINDS = ("target", "draft")
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def verification_shapes(batch_sizes: Sequence[int], max_rows: int) -> list[tuple[int, int]]:
+    """(requests, rows per request) of the passes "auto" chooses between: every batch size with
+    1 (decode) to ``max_rows`` (K + 1) rows per request."""
+    return [(batch, rows) for batch in batch_sizes for rows in range(1, max_rows + 1)]
+
+
+def shape_token_counts(shapes: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """Knots for a model calibrated on ``shapes``: the default ones plus each shape's row total, so
+    the planner reads those passes' measured cost, not an interpolation across a curve that bends
+    (a mixture-of-experts target's cost follows the experts its rows touch, a concave function
+    of the rows until every expert is read)."""
+    return tuple(sorted(set(DEFAULT_TOKEN_COUNTS) | {batch * rows for batch, rows in shapes}))
 
 
 def _validate_kind(kind: str) -> None:
@@ -160,4 +175,30 @@ class StepCostModel:
                 else:
                     self.observe(kind, num_tokens, seconds)
                 measured[(kind, num_tokens)] = seconds
+        return measured
+
+    def calibrate_shapes(
+        self,
+        run_fn: Callable[[int, int], float],
+        shapes: Sequence[tuple[int, int]],
+        kind: str = "target",
+    ) -> dict[tuple[int, int], float]:
+        """Seconds of ``run_fn(num_requests, rows_per_request)`` (a timed pass of that shape, e.g.
+        ``worker.calibrate.time_verify_forward``) for each shape; each row total's knot takes the
+        median over the shapes with that total (the model prices a pass by its rows, and B requests
+        of q rows cost close to q requests of B when the rows route alike: the expert union of a
+        mixture-of-experts layer depends on the rows, attention on short contexts is a small part).
+        Every total must be a knot (``shape_token_counts``). Returns {(requests, rows): seconds}."""
+        _validate_kind(kind)
+        by_total: dict[int, list[float]] = {}
+        measured = {}
+        for batch, rows in shapes:
+            if batch * rows not in self.token_counts:
+                raise ValueError(f"shape ({batch} requests x {rows} rows): {batch * rows} rows is not a knot "
+                                 f"of this model ({self.token_counts.tolist()}); build it with shape_token_counts")
+            seconds = float(run_fn(batch, rows))
+            measured[(batch, rows)] = seconds
+            by_total.setdefault(batch * rows, []).append(seconds)
+        for total, samples in by_total.items():
+            self.set(kind, total, float(np.median(samples)))
         return measured

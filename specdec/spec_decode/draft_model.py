@@ -18,13 +18,12 @@ request's tokens; the draft KV there is scratch, recomputed by the next catch-up
 """
 from __future__ import annotations
 
-import math
 import time
-from functools import cached_property
 
 import torch
 
 from specdec.layers.sampler import SamplingMetadata, processed_probs, sample_from_probs
+from specdec.spec_decode.growing_tree import GrowingTree
 from specdec.spec_decode.plan import TreeBudget
 from specdec.spec_decode.proposer import DraftProposal, Proposer, TargetStates
 from specdec.worker.model_runner import ModelRunner
@@ -70,16 +69,17 @@ class DraftModelProposer(Proposer):
         ks = [num_spec[i] for i in active]
         if self.tree_topk > 1:
             return self._propose_tree(requests, active, ks, tree_budget, grammar)
-        meta = SamplingMetadata.from_params(
+        greedy = [r.sampling_params.is_greedy for r in reqs]
+        # all greedy: every pass takes the argmax, no q (no sampling tensors to build)
+        meta = None if all(greedy) else SamplingMetadata.from_params(
             [r.sampling_params for r in reqs], [r.generator for r in reqs], self.runner.device
         )
-        block_tables = [r.block_ids for r in reqs]
+        block_tables = self._block_tables(reqs)
         batch = self._first_batch(reqs, block_tables)
         first_pass_rows = len(batch.input_ids)
         probs_per_pass, tokens_per_pass = [], []
         cursors = grammar.draft_cursors(reqs) if grammar is not None else [None] * len(reqs)
         constrained = any(c is not None for c in cursors)
-        greedy = [r.sampling_params.is_greedy for r in reqs]
         rows = list(range(len(reqs)))  # which requests are still drafting
         predicted = None  # [len(rows), H] hidden states of the last pass's drafting rows
         for step in range(max(ks)):
@@ -91,8 +91,9 @@ class DraftModelProposer(Proposer):
             predicted = self._pass_hidden(batch, hidden)
             if constrained:
                 grammar.mask_draft_rows(logits, [cursors[j] for j in rows], [greedy[j] for j in rows])
-            sub = meta if len(rows) == len(reqs) else meta.expand([int(j in rows) for j in range(len(reqs))])
-            if sub.all_greedy:
+            sub = meta if meta is None or len(rows) == len(reqs) else \
+                meta.expand([int(j in rows) for j in range(len(reqs))])
+            if sub is None or sub.all_greedy:
                 q, tok = None, logits.argmax(dim=-1)
             else:
                 q = processed_probs(logits, sub)
@@ -120,14 +121,14 @@ class DraftModelProposer(Proposer):
         ``tree_depth`` and the tokens the request may still emit."""
         started = time.perf_counter()
         reqs = [requests[i] for i in active]
-        block_tables = [r.block_ids for r in reqs]
+        block_tables = self._block_tables(reqs)
         topk = self.tree_topk
         batch = self._first_batch(reqs, block_tables)
         first_pass_rows = len(batch.input_ids)
         logits, hidden = self._forward(batch)
         hidden = self._pass_hidden(batch, hidden)
         # per request: node tokens, parents, depths, scores; the node fed at each draft slot
-        trees = [_GrowingTree() for _ in reqs]
+        trees = [GrowingTree() for _ in reqs]
         bases = [r.num_tokens + self.row_shift for r in reqs]  # position (and first slot) of depth-1 nodes
         room = [r.num_tokens + s - b for r, s, b in zip(reqs, slots, bases)]  # draft slots from base on
         # slots <= the tokens the request may still emit (the scheduler's cap), so depth is too
@@ -198,6 +199,10 @@ class DraftModelProposer(Proposer):
             r.num_draft_computed_tokens = r.num_tokens + self.row_shift
 
     # ---- the passes (the EAGLE proposer overrides these) ----
+    def _block_tables(self, reqs: list[CachedRequestState]) -> list[list[int]]:
+        """Each request's draft blocks: the target's (the caches share block ids)."""
+        return [r.block_ids for r in reqs]
+
     def _first_batch(self, reqs: list[CachedRequestState], block_tables):
         """Catch up on unseen tokens; the last row drafts the first token."""
         starts = [min(r.num_draft_computed_tokens, r.num_computed_tokens) for r in reqs]
@@ -217,7 +222,7 @@ class DraftModelProposer(Proposer):
 
     def _flat_probs(self, probs_per_pass, ks, active, num_requests, meta) -> torch.Tensor | None:
         """Reorder per-pass q rows into the flat request-major order the verifier expects."""
-        if meta.all_greedy:
+        if meta is None or meta.all_greedy:
             return None
         total = sum(ks)
         out = torch.zeros(total, self.vocab_size, dtype=torch.float32, device=self.runner.device)
@@ -231,79 +236,3 @@ class DraftModelProposer(Proposer):
             idx = torch.tensor([offsets[j] + step for j in rows], device=out.device)
             out.index_copy_(0, idx, q)
         return out
-
-
-class _GrowingTree:
-    """One request's tree while it is drafted: every candidate, scored; which ones were fed."""
-
-    def __init__(self):
-        self.tokens: list[int] = []
-        self.parents: list[int] = []
-        self.depths: list[int] = []
-        self.scores: list[float] = []
-        self.fed: list[int] = []  # nodes in the order they were written to draft slots
-        self.slot: dict[int, int] = {}  # node -> its draft slot (offset from base)
-        self.row_of: dict[int, int] = {}  # node -> its row in the pass that fed it
-        self.cursors: dict = {}  # node -> its grammar cursor (structured output; -1: the root)
-
-    @property
-    def num_fed(self) -> int:
-        return len(self.fed)
-
-    def add_children(self, parent: int, tokens: list[int], logprobs: list[float], depth: int) -> None:
-        score = self.scores[parent] if parent >= 0 else 0.0
-        for tok, lp in zip(tokens, logprobs):
-            if lp == float("-inf"):
-                continue
-            self.tokens.append(tok)
-            self.parents.append(parent)
-            self.depths.append(depth)
-            self.scores.append(score + lp)
-
-    def cursor(self, node: int, grammar):
-        """The grammar cursor after ``node``'s path, forked from its parent's on first use."""
-        cur = self.cursors.get(node)
-        if cur is None and node not in self.cursors:
-            cur = self.cursors[node] = grammar.child(self.cursor(self.parents[node], grammar), self.tokens[node])
-        return cur
-
-    def frontier(self, depth: int, width: int) -> list[int]:
-        """The ``width`` best-scoring nodes of ``depth`` (to be fed, to grow their children)."""
-        nodes = [n for n, d in enumerate(self.depths) if d == depth]
-        return sorted(nodes, key=lambda n: -self.scores[n])[:max(0, width)]
-
-    def feed(self, nodes: list[int]) -> None:
-        for n in nodes:
-            self.slot[n] = len(self.fed)
-            self.fed.append(n)
-
-    def fed_mask(self, nodes: list[int]) -> torch.Tensor:
-        """[len(nodes), num_fed] bool: each fed node sees the slots of its ancestors and itself."""
-        mask = torch.zeros(len(nodes), len(self.fed), dtype=torch.bool)
-        for i, n in enumerate(nodes):
-            while n >= 0:
-                mask[i, self.slot[n]] = True
-                n = self.parents[n]
-        return mask
-
-    @cached_property
-    def ranked(self) -> list[int]:
-        """Every node, best score first (read once the tree has stopped growing)."""
-        return sorted(range(len(self.tokens)), key=lambda n: (-self.scores[n], self.depths[n]))
-
-    def gains(self, limit: int) -> list[float]:
-        """The draft's probability of each of the ``limit`` best nodes' paths, best first."""
-        return [math.exp(self.scores[n]) for n in self.ranked[:limit]]
-
-    def select(self, limit: int) -> tuple[list[int], list[int]]:
-        """The ``limit`` best-scoring nodes, closed under ancestors, in (depth, score) order:
-        (tokens, parents as indices into the selection)."""
-        chosen: set[int] = set()
-        for n in self.ranked:
-            if len(chosen) >= limit:
-                break
-            if self.parents[n] < 0 or self.parents[n] in chosen:
-                chosen.add(n)
-        kept = sorted(chosen, key=lambda n: (self.depths[n], -self.scores[n]))
-        index = {n: i for i, n in enumerate(kept)}
-        return [self.tokens[n] for n in kept], [index[self.parents[n]] if self.parents[n] >= 0 else -1 for n in kept]

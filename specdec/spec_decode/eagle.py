@@ -92,7 +92,11 @@ class EagleProposer(DraftModelProposer):
         return batch
 
     def _pass_hidden(self, batch, hidden: torch.Tensor | None) -> torch.Tensor:
-        return hidden[batch.logits_indices]  # [rows, H] the features each drafting row predicts
+        # [rows, H] the features each drafting row predicts; a pass after the first has one row
+        # per drafting request, all of them wanted, so no gather
+        if len(batch.logits_indices) == hidden.shape[0]:
+            return hidden
+        return hidden[batch.logits_indices]
 
     def _tree_features(self, batch, hidden: torch.Tensor, rows: list[int]) -> None:
         batch.features = hidden.index_select(0, torch.tensor(rows, device=hidden.device))

@@ -38,6 +38,7 @@ class DraftParts:
     kv_bytes_per_block: int = 0  # the bytes its KV cache adds to each block of block_size tokens
     aux_layers: tuple[int, ...] = ()  # target layers whose inputs the target exports for it (EAGLE-3)
     draft_vocab: torch.Tensor | None = None  # [n] target ids its LM head keeps (draft_vocab_size)
+    vocab_bridge: Any = None  # a draft with another tokenizer: its ``VocabBridge`` to the target's
 
 
 @dataclass(frozen=True)
@@ -163,14 +164,43 @@ def _validate_draft_model(spec: SpeculativeConfig) -> None:
 
 
 def _check_draft_model(spec: SpeculativeConfig, tokenizer, model_config):
-    """The draft must speak the target's token ids: its config."""
+    """The draft must speak the target's token ids, or draft through the vocabulary intersection
+    (``cross_tokenizer.py``; logged here, once per engine): its config."""
+    import logging
+
     from specdec.engine.builder import check_vocab_compatible, load_tokenizer
     from specdec.models.loader import load_config, resolve_model_path
 
     draft_path = resolve_model_path(spec.model)
     draft_cfg = load_config(draft_path)
-    check_vocab_compatible(tokenizer, model_config, load_tokenizer(draft_path), draft_cfg, draft_path)
+    draft_tokenizer = load_tokenizer(draft_path)
+    if draft_tokenizer.get_vocab() == tokenizer.get_vocab():
+        check_vocab_compatible(tokenizer, model_config, draft_tokenizer, draft_cfg, draft_path)
+        return draft_cfg
+    limits = [(spec.is_tree, "token trees (tree_topk > 1)"),
+              (spec.draft_vocab_size is not None or spec.draft_vocab is not None, "draft_vocab_size / draft_vocab"),
+              (spec.draft_tensor_parallel_size != 1, "draft_tensor_parallel_size > 1")]
+    for refused, what in limits:
+        if refused:
+            raise ValueError(f"speculative_config: draft model {spec.model!r} has another tokenizer than the target; "
+                             f"such a draft does not support {what}")
+    logging.getLogger("specdec").info(
+        "draft model %s has another tokenizer than the target (%d vs %d tokens): it drafts through the "
+        "tokens both vocabularies share", spec.model, len(draft_tokenizer), len(tokenizer))
     return draft_cfg
+
+
+def _vocab_bridge(load: DraftLoad, draft_path: str, draft_cfg):
+    """The ``VocabBridge`` to the target's tokenizer, or None when the draft shares it."""
+    from specdec.engine.builder import load_tokenizer, tokenizer_path
+    from specdec.models.loader import resolve_model_path
+    from specdec.spec_decode.vocab_bridge import VocabBridge
+
+    target_tokenizer = load_tokenizer(tokenizer_path(load.cfg, resolve_model_path(load.cfg.model)))
+    draft_tokenizer = load_tokenizer(draft_path)
+    if draft_tokenizer.get_vocab() == target_tokenizer.get_vocab():
+        return None
+    return VocabBridge.build(target_tokenizer, draft_tokenizer, load.vocab_size, draft_cfg.vocab_size)
 
 
 def _plan_draft_model(spec: SpeculativeConfig, cfg: EngineConfig, target: WeightPlan, device) -> WeightPlan:
@@ -192,6 +222,7 @@ def _plan_draft_model(spec: SpeculativeConfig, cfg: EngineConfig, target: Weight
 def _load_draft_model(load: DraftLoad) -> DraftParts:
     from specdec.layers.quantization import prepare_for_inference
     from specdec.models.loader import load_config, load_model, resolve_model_path
+    from specdec.spec_decode.draft_vocab import restrict_lm_head
     from specdec.worker.model_runner import ModelRunner
 
     spec, weights = load.spec, load.weights
@@ -200,12 +231,16 @@ def _load_draft_model(load: DraftLoad) -> DraftParts:
     draft_tp = load.tp if spec.draft_tensor_parallel_size > 1 else None
     model = load_model(draft_path, weights.load_dtype, load.device, load.attn_backend, draft_cfg, tp=draft_tp)
     draft_vocab = None
-    if spec.draft_vocab_size is not None or spec.draft_vocab is not None:
+    bridge = _vocab_bridge(load, draft_path, draft_cfg)
+    if bridge is not None:  # the LM head keeps the shared tokens: drafts are drawn from q restricted to them
+        restrict_lm_head(model, bridge.draft_ids)
+        draft_vocab = bridge.target_ids
+    elif spec.draft_vocab_size is not None or spec.draft_vocab is not None:
         draft_vocab = _restrict_draft_vocab(spec, model, draft_path, min(draft_cfg.vocab_size, load.vocab_size))
     model = prepare_for_inference(model, weights.quantization, load.device, weights.bf16_weights)
     return DraftParts(model, weights.compute_dtype,
                       ModelRunner.kv_bytes_per_block(draft_cfg, load.cfg.block_size, weights.compute_dtype),
-                      draft_vocab=draft_vocab)
+                      draft_vocab=draft_vocab, vocab_bridge=bridge)
 
 
 def _restrict_draft_vocab(spec: SpeculativeConfig, draft_model, draft_path: str, vocab_size: int):
@@ -270,6 +305,11 @@ def _head_parts(load: DraftLoad, head, aux_layers: tuple[int, ...] = ()) -> Draf
 def _build_draft_model(spec, runner, vocab_size, parts: DraftParts):
     from specdec.spec_decode.draft_model import DraftModelProposer
 
+    if parts.vocab_bridge is not None:
+        from specdec.spec_decode.cross_tokenizer import CrossTokenizerProposer
+
+        limit = getattr(runner.model.config, "max_position_embeddings", None) or 1 << 30
+        return CrossTokenizerProposer(runner, vocab_size, parts.vocab_bridge, limit)
     return DraftModelProposer(runner, vocab_size, **_tree_args(spec), draft_vocab=parts.draft_vocab)
 
 
@@ -309,8 +349,9 @@ _MODEL_DRAFT = dict(needs_model=True, has_draft_model=True, supports_tree=True, 
 register_method(SpecMethod("draft_model", _build_draft_model, **_MODEL_DRAFT, supports_draft_vocab=True,
                            validate=_validate_draft_model, check_draft=_check_draft_model,
                            plan_draft=_plan_draft_model, load=_load_draft_model))
-# the target's per-batch-size graphs return the hidden states an EAGLE head reads, but the head's own
-# passes take features no captured graph feeds and a tree graph returns logits only: eager for now
+# the target's per-batch-size graphs return the hidden states an EAGLE head reads and the head's passes
+# after the first replay graphs fed its features (ModelRunner.enable_graphs(feature_size=), tested on
+# CPU through the padded path); the whole EAGLE step stays eager until a GPU run checks it captured
 register_method(SpecMethod("eagle", _build_eagle, **_MODEL_DRAFT, needs_target_hidden=True, graph_capturable=False,
                            plan_draft=_plan_head, load=_load_eagle))
 register_method(SpecMethod("eagle3", _build_eagle3, **_MODEL_DRAFT, needs_target_hidden=True, graph_capturable=False,

@@ -48,6 +48,26 @@ def time_verify_forward(runner, num_reqs: int, query_len: int, context: int, rep
     return _best_time(runner, batch, repeats)
 
 
+def verification_batch_sizes(runner, max_num_seqs: int, max_rows: int, context: int = 32,
+                             largest: int = 8) -> tuple[int, ...]:
+    """Batch sizes on which to time verification-shaped passes (``time_verify_forward``) for the
+    cost model: powers of two up to ``largest`` and ``max_num_seqs`` whose ``max_rows`` rows per
+    request fit the KV cache. () for a target without mixture-of-experts layers: a dense pass
+    costs about the same per row whatever the batch's shape, and the token-count calibration
+    prices it. A MoE pass reads the union of the experts its rows route to, so B requests of
+    K + 1 rows cost what that union costs: measured, not extrapolated from one-row passes."""
+    from specdec.layers.moe import moe_layers
+
+    if not moe_layers(runner.model):
+        return ()
+    per_req = -(-(context + max_rows) // runner.block_size)
+    sizes, batch = [], 1
+    while batch <= min(largest, max_num_seqs) and batch * per_req <= runner.num_blocks:
+        sizes.append(batch)
+        batch *= 2
+    return tuple(sizes)
+
+
 def _best_time(runner, batch, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats + 1):  # the first run warms up

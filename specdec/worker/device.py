@@ -6,15 +6,13 @@ import os
 
 import torch
 
+from specdec.kernels.hardware import is_rocm
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
-
-
-def is_rocm() -> bool:
-    return torch.version.hip is not None
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -128,23 +126,6 @@ def keep_cpu_allocations_mapped(mmap_threshold: int = 32 << 20, trim_threshold: 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def warp_size(device: torch.device | None = None) -> int:
-    """Threads per warp (NVIDIA, RDNA: 32) or wavefront (AMD CDNA/GCN, gfx9xx: 64).
-
-    Triton's `num_warps` counts these units, so the same `num_warps` means twice the threads
-    on an MI300X as on an H100; kernel configs divide a thread budget by this instead."""
-    if device is None or device.type != "cuda" or not torch.cuda.is_available():
-        return 32  # CPU / Triton interpreter: the value only shapes launch options
-    props = torch.cuda.get_device_properties(device)
-    size = getattr(props, "warp_size", None)
-    if size:
-        return int(size)
-    if is_rocm():
-        arch = getattr(props, "gcnArchName", "")
-        return 64 if arch.startswith("gfx9") else 32
-    return 32
 
 
 def kv_cache_bytes_from_gpu_utilization(

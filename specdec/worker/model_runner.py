@@ -12,12 +12,15 @@ graph that fits and runs everything else (prefill chunks, mixed steps, larger ba
 """
 from __future__ import annotations
 
+import array
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from specdec.engine.kv_layout import KVLayout
 from specdec.layers.attention import AttentionMetadata
 from specdec.layers.lora import LoRAMapping
 
@@ -33,7 +36,10 @@ class ForwardBatch:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 reuse_logits: bool = False, aux_layers: tuple[int, ...] = ()):
+                 reuse_logits: bool = False, aux_layers: tuple[int, ...] = (), kv_layout: KVLayout | None = None):
+        """``kv_layout``: the KV cache groups (``engine/kv_layout.py``); a layer of a group other
+        than the first has that group's pool and reads its block tables. None: one group of
+        ``num_blocks``."""
         self.model = model
         # the target layers whose input an EAGLE-3 head reads; () costs nothing (the model collects none)
         self.aux_layers = tuple(aux_layers)
@@ -45,9 +51,14 @@ class ModelRunner:
         cache_shape = getattr(model, "kv_cache_shape", None)
         shape = cache_shape(num_blocks, block_size) if cache_shape is not None else \
             (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.layers]
+        self.kv_groups = kv_layout.groups if kv_layout is not None else ()
+        owner = kv_layout.layer_groups(len(model.layers)) if kv_layout is not None else [0] * len(model.layers)
+        self.layer_kv_groups = owner  # the KV cache group of each layer
+        self.kv_caches = [torch.zeros(shape if g == 0 else (shape[0], self.kv_groups[g].num_blocks, *shape[2:]),
+                                      dtype=dtype, device=device) for g in owner]
         self.graphs: dict[int, object] = {}  # rows per request q -> GraphRunner (enable_graphs)
         self.graph_max_blocks = 0
+        self.graph_feature_size = 0  # > 0: the graphs feed an EAGLE head's features [rows, H] (enable_graphs)
         self.tree_graph = None  # TreeGraph (enable_tree_graphs)
         # True for a runner whose logits are dead by its next forward (the target's: one per step):
         # they go to one grow-only float32 buffer instead of a fresh, page-faulted tensor each step.
@@ -75,6 +86,7 @@ class ModelRunner:
         tree_positions: list[list[int] | None] | None = None,  # per request: its rows' own positions (token trees)
         tree_masks: list[tuple[int, torch.Tensor] | None] | None = None,  # see ``AttentionMetadata.tree_masks``
         lora_slots: list[int] | None = None,  # per request: its adapter slot (-1: base), see ``layers/lora.py``
+        group_block_tables: list[tuple[list[int], ...]] | None = None,  # per request: the other KV groups' ids
     ) -> ForwardBatch:
         """Request i's tokens go to the slots of positions start_positions[i], +1, ...; they are
         also their positions unless ``tree_positions[i]`` gives others (a tree's nodes: depth)."""
@@ -82,28 +94,55 @@ class ModelRunner:
         flat_ids, positions, slots, logits_idx, qsl, seq_lens = [], [], [], [], [0], []
         for i, (ids, start, blocks, rows) in enumerate(zip(token_ids, start_positions, block_tables, logits_rows)):
             base = len(flat_ids)
+            end = start + len(ids)
             flat_ids.extend(ids)
             own = tree_positions[i] if tree_positions is not None else None
-            positions.extend(own if own is not None else range(start, start + len(ids)))
-            slots.extend(self.slot_of(blocks, p) for p in range(start, start + len(ids)))
-            logits_idx.extend(base + r for r in rows)
+            positions.extend(own if own is not None else range(start, end))
+            slots.extend([blocks[p // bs] * bs + p % bs for p in range(start, end)])  # slot_of, inlined
+            logits_idx.extend([base + r for r in rows])
             qsl.append(len(flat_ids))
-            seq_lens.append(start + len(ids))
-        width = max(len(b) for b in block_tables)
-        table = [b + [0] * (width - len(b)) for b in block_tables]
+            seq_lens.append(end)
+        num_reqs, width = len(block_tables), max(len(b) for b in block_tables)
+        table = []
+        for blocks in block_tables:
+            table.extend(blocks)
+            if len(blocks) < width:
+                table.extend([0] * (width - len(blocks)))
+        # every int64 input in one host list and one tensor (one copy to a device), split into views
+        parts = (flat_ids, positions, slots, logits_idx, qsl, seq_lens, table)
+        flat = int64_tensor(flat_ids + positions + slots + logits_idx + qsl + seq_lens + table, self.device)
+        input_ids, positions_t, slot_mapping, logits_indices, qsl_t, seq_lens_t, table_t = \
+            flat.split([len(part) for part in parts])
         dev = self.device
-
-        def t(x):
-            return torch.tensor(x, dtype=torch.int64, device=dev)
-
         attn = AttentionMetadata(
-            query_start_loc=t(qsl), seq_lens=t(seq_lens), block_tables=t(table), slot_mapping=t(slots),
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=bs,
+            query_start_loc=qsl_t, seq_lens=seq_lens_t, block_tables=table_t.view(num_reqs, width),
+            slot_mapping=slot_mapping, query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=bs,
             tree_masks=None if tree_masks is None or all(m is None for m in tree_masks) else
             [m if m is None else (m[0], m[1].to(dev)) for m in tree_masks],
             lora_mapping=None if lora_slots is None else LoRAMapping.build(lora_slots, qsl, dev),
         )
-        return ForwardBatch(t(flat_ids), t(positions), attn, t(logits_idx))
+        if group_block_tables is None and self.num_kv_groups > 1:  # timing probes: blocks of each group's pool
+            group_block_tables = [tuple([b % g.num_blocks for b in blocks] for g in self.kv_groups[1:])
+                                  for blocks in block_tables]
+        if group_block_tables is not None:
+            attn.window_views = {self.kv_groups[g + 1].window: self._group_view(attn, [tables[g] for tables in
+                                 group_block_tables], start_positions, token_ids) for g in range(len(self.kv_groups) - 1)}
+        return ForwardBatch(input_ids, positions_t, attn, logits_indices)
+
+    @property
+    def num_kv_groups(self) -> int:
+        return max(1, len(self.kv_groups))
+
+    def _group_view(self, attn: AttentionMetadata, block_tables: list[list[int]], start_positions: list[int],
+                    token_ids: list[list[int]]) -> AttentionMetadata:
+        """The step's metadata for the layers of another KV group: its block tables and slots."""
+        slots = [self.slot_of(blocks, p) for blocks, start, ids in zip(block_tables, start_positions, token_ids)
+                 for p in range(start, start + len(ids))]
+        width = max(len(b) for b in block_tables)
+        table = [b + [0] * (width - len(b)) for b in block_tables]
+        dev = self.device
+        return dataclasses.replace(attn, block_tables=torch.tensor(table, dtype=torch.int64, device=dev),
+                                   slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [N, V] float32
         """Logits of the batch's ``logits_indices`` rows. With ``reuse_logits`` (the worker's target
@@ -125,10 +164,11 @@ class ModelRunner:
             graph = None
         if graph is not None:
             meta = batch.attn
+            features = {"features": batch.features} if self.graph_feature_size else {}
             logits, exported = graph.run(meta.num_reqs, num_output_rows=len(batch.input_ids),
                                          input_ids=batch.input_ids, positions=batch.positions,
                                          slot_mapping=meta.slot_mapping, seq_lens=meta.seq_lens,
-                                         block_tables=meta.block_tables)
+                                         block_tables=meta.block_tables, **features)
             return logits[batch.logits_indices], exported  # logits copied: the next replay reuses the buffer
         exported = None
         if batch.features is not None:
@@ -138,21 +178,29 @@ class ModelRunner:
                                           aux_layers=self.aux_layers)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
-        rows = hidden[batch.logits_indices]
+        # logits_indices rise strictly, so as many as there are rows means every row, in order
+        rows = hidden if len(batch.logits_indices) == hidden.shape[0] else hidden[batch.logits_indices]
         exported = hidden if exported is None else exported
         if not self.reuse_logits:
             return self.model.compute_logits(rows), exported
         return self.model.compute_logits(rows, out=self._logits_out(rows.shape[0])), exported
 
     @torch.inference_mode()
-    def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
+    def move_kv(self, src_slots: list[int], dst_slots: list[int],
+                group_slots: list[tuple[list[int], list[int]]] = ()) -> None:
         """Copy every layer's K/V from ``src_slots`` to ``dst_slots`` (a verified tree's accepted
-        path, moved to the consecutive positions it now holds). Reads all sources first."""
+        path, moved to the consecutive positions it now holds), the layers of another KV cache
+        group by that group's (src, dst) slots in ``group_slots``. Reads all sources first."""
         if not src_slots:
             return
-        src = torch.tensor(src_slots, dtype=torch.int64, device=self.device)
-        dst = torch.tensor(dst_slots, dtype=torch.int64, device=self.device)
-        for cache in self.kv_caches:
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.int64, device=self.device)
+
+        moves = [(t(src_slots), t(dst_slots))] + [(t(s), t(d)) for s, d in group_slots]
+        owner = self.layer_kv_groups if group_slots else [0] * len(self.kv_caches)
+        for cache, g in zip(self.kv_caches, owner):
+            src, dst = moves[g]
             flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
             flat[:, dst] = flat[:, src]
 
@@ -173,14 +221,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def enable_graphs(self, batch_sizes: list[int], query_lens: list[int], max_blocks_per_seq: int,
-                      use_graphs: bool | None = None) -> None:
+                      use_graphs: bool | None = None, feature_size: int = 0) -> None:
         """Capture one GraphRunner per rows-per-request q, each at every batch size. The step's
         host metadata is fixed at capture: query lengths q, and sequence lengths taken as the
         longest a block table can hold, so the attention kernel's key split suits any context.
-        ``use_graphs=False`` runs the same padded path eagerly (how CPU tests exercise it)."""
+        ``use_graphs=False`` runs the same padded path eagerly (how CPU tests exercise it).
+        ``feature_size`` H > 0: the model is an EAGLE head, fed ``ForwardBatch.features`` [rows, H]
+        through a static buffer too (its passes after the first: one row per drafting request);
+        a batch without features then runs eagerly."""
         from specdec.worker.graph_runner import GraphRunner
 
         self.graph_max_blocks = max_blocks_per_seq
+        self.graph_feature_size = feature_size
         for q in sorted(set(query_lens)):
             runner = GraphRunner(
                 partial(self._graph_forward, q), partial(self._static_inputs, q), batch_sizes, self.device,
@@ -205,11 +257,15 @@ class ModelRunner:
         def zeros(*shape):
             return torch.zeros(shape, dtype=torch.int64, device=self.device)
 
-        return {"input_ids": zeros(batch_size * q), "positions": zeros(batch_size * q),
-                "slot_mapping": zeros(batch_size * q) - 1, "seq_lens": zeros(batch_size) + q,
-                "block_tables": zeros(batch_size, self.graph_max_blocks)}
+        inputs = {"input_ids": zeros(batch_size * q), "positions": zeros(batch_size * q),
+                  "slot_mapping": zeros(batch_size * q) - 1, "seq_lens": zeros(batch_size) + q,
+                  "block_tables": zeros(batch_size, self.graph_max_blocks)}
+        if self.graph_feature_size:  # pad rows read zero features
+            inputs["features"] = torch.zeros(batch_size * q, self.graph_feature_size, dtype=self.dtype,
+                                             device=self.device)
+        return inputs
 
-    def _graph_forward(self, q: int, input_ids, positions, slot_mapping, seq_lens, block_tables
+    def _graph_forward(self, q: int, input_ids, positions, slot_mapping, seq_lens, block_tables, features=None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         batch_size = seq_lens.shape[0]
         qsl = list(range(0, (batch_size + 1) * q, q))
@@ -217,7 +273,9 @@ class ModelRunner:
             query_start_loc=torch.arange(0, (batch_size + 1) * q, q, device=self.device), seq_lens=seq_lens,
             block_tables=block_tables, slot_mapping=slot_mapping, query_start_loc_cpu=qsl,
             seq_lens_cpu=[self.graph_max_blocks * self.block_size] * batch_size, block_size=self.block_size)
-        if self.aux_layers:
+        if features is not None:
+            hidden = exported = self.model(input_ids, positions, self.kv_caches, attn, features=features)
+        elif self.aux_layers:
             hidden, exported = self.model(input_ids, positions, self.kv_caches, attn, aux_layers=self.aux_layers)
         else:
             hidden = exported = self.model(input_ids, positions, self.kv_caches, attn)
@@ -227,13 +285,21 @@ class ModelRunner:
         meta = batch.attn
         if meta.tree_masks is not None:  # tree steps replay the padded tree graph, if it fits
             return self.tree_graph if self.tree_graph is not None and self.tree_graph.fits(meta) else None
-        if not self.graphs:
+        if not self.graphs or (batch.features is None) != (not self.graph_feature_size):
             return None
         graph = self.graphs.get(meta.uniform_query_len)
         if graph is None or graph.padded_size(meta.num_reqs) is None \
                 or meta.block_tables.shape[1] > self.graph_max_blocks:
             return None
         return graph
+
+
+def int64_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values, dtype=torch.int64, device=device)``, through an ``array`` (a C loop
+    over the list instead of torch's per-element type checks: about 4x faster on hundreds of ids)."""
+    host = torch.frombuffer(array.array("q", values), dtype=torch.int64) if values else \
+        torch.empty(0, dtype=torch.int64)
+    return host if device.type == "cpu" else host.to(device)
 
 
 def _family_kv_token_shape(model_config) -> tuple[int, ...] | None:

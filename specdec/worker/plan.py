@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import EngineConfig
+from specdec.engine.kv_layout import KVLayout
 from specdec.spec_decode.methods import method_of
 from specdec.worker import device as device_info
+from specdec.worker.kv_budget import DEFAULT_CPU_KV_BYTES, blocks_per_sequence, num_kv_blocks  # noqa: F401
 from specdec.worker.model_runner import ModelRunner
 
-DEFAULT_CPU_KV_BYTES = 2 << 30
 # int8 activations round a layer's input: they need every other op to compute a token's row the
 # same in a decode step and in a verification (specdec.kernels.cpu.attention_rows)
 ROW_CONSISTENT_QUANTIZATIONS = ("w8a8", "w4a8")
@@ -37,8 +38,7 @@ def _probe_rows_kernel(device: torch.device) -> bool:
 
 def _probe_triton(device: torch.device) -> bool:
     try:
-        from specdec.kernels.triton.kv_cache import write_kv_cache_triton  # noqa: F401
-        from specdec.kernels.triton.paged_attention import paged_attention_triton  # noqa: F401
+        from specdec.layers.attention_triton import TRITON_BACKEND  # noqa: F401
     except ImportError:
         return False
     return True
@@ -46,7 +46,7 @@ def _probe_triton(device: torch.device) -> bool:
 
 def _probe_triton_sampler(device: torch.device) -> bool:
     try:
-        from specdec.kernels.triton.rejection_sampler import rejection_sample_triton  # noqa: F401
+        from specdec.spec_decode.rejection_sampler_triton import rejection_sample_triton  # noqa: F401
     except ImportError:
         return False
     return True
@@ -94,10 +94,14 @@ class Machine:
         return self.default_dtype() if dtype == "auto" else device_info.resolve_dtype(dtype, self.device)
 
 
+BF16_WIDENING_DTYPES = ("auto", "bfloat16")
+
+
 def bf16_weights_mode(requested: str, dtype: torch.dtype, device: torch.device) -> str | None:
-    """``dtype="auto"`` that became float32 on a CPU: linears a bf16 checkpoint filled keep their
-    bf16 weights ("exact": the same values, half the bytes per step)."""
-    return "exact" if requested == "auto" and dtype == torch.float32 and device.type == "cpu" else None
+    """``dtype="auto"`` or ``"bfloat16"`` that became float32 activations on a CPU: linears a bf16
+    checkpoint filled keep their bf16 weights ("exact": the same values, half the bytes per step)."""
+    return ("exact" if requested in BF16_WIDENING_DTYPES and dtype == torch.float32 and device.type == "cpu"
+            else None)
 
 
 @dataclass(frozen=True)
@@ -142,9 +146,15 @@ class RuntimePlan:
     kv_budget_bytes: int | None  # kv_cache_memory, or the CPU default; None: what gpu_memory_utilization leaves
     num_kv_blocks: int | None = None  # known once the weights are loaded (``with_kv_blocks``)
     kv_bytes_per_block: int | None = None  # target and draft caches together
+    kv_layout: KVLayout | None = None  # the block pools per KV cache group (the first: num_kv_blocks)
 
     def with_kv_blocks(self, num_blocks: int, bytes_per_block: int) -> RuntimePlan:
         return dataclasses.replace(self, num_kv_blocks=num_blocks, kv_bytes_per_block=bytes_per_block)
+
+    def with_kv_layout(self, layout: KVLayout, bytes_per_block: int) -> RuntimePlan:
+        """``bytes_per_block``: a block of every group together (target and draft caches)."""
+        return dataclasses.replace(self, num_kv_blocks=layout.groups[0].num_blocks, kv_bytes_per_block=bytes_per_block,
+                                   kv_layout=layout)
 
     def __str__(self) -> str:
         lines = [f"device {self.device}, compute dtype {_name(self.dtype)}, "
@@ -155,7 +165,10 @@ class RuntimePlan:
             lines.append(f"speculation: {self.method}{draft}, {self.max_spec_slots} draft slots per request")
         graphs = f"graphs at batch sizes {list(self.graph_batch_sizes)}" if self.graphs else "eager"
         lines.append(f"attention {self.attention_backend}, rejection sampler {self.sampler}, {graphs}")
-        if self.num_kv_blocks is not None:
+        if self.kv_layout is not None and self.kv_layout.num_groups > 1:
+            lines.append(f"KV cache: blocks of {self.block_size} tokens, {self.kv_layout.describe()} "
+                         f"({self.kv_layout.num_bytes / 2**20:.0f} MiB)")
+        elif self.num_kv_blocks is not None:
             mib = self.num_kv_blocks * self.kv_bytes_per_block / 2**20
             lines.append(f"KV cache: {self.num_kv_blocks} blocks of {self.block_size} tokens ({mib:.0f} MiB)")
         else:
@@ -215,14 +228,18 @@ def _compute_dtype(cfg: EngineConfig, machine: Machine) -> torch.dtype:
 
 def _bf16_weights_float32_activations(cfg: EngineConfig, machine: Machine, model_path: str,
                                       tensor_parallel: bool) -> bool:
-    """``dtype="auto"`` on a CPU with bf16 arithmetic, no quantization: the model is loaded in
-    bf16, its linears keep their bf16 weights (``Bf16WeightLinear``, the same bytes per step as a
+    """``dtype="auto"`` or ``"bfloat16"`` on a CPU with bf16 arithmetic, no quantization: the model
+    is loaded in bf16, its linears keep their bf16 weights (``Bf16WeightLinear``, the same bytes per step as a
     bf16 model) and everything else computes in float32, which takes the fused float32 CPU ops and
-    the row-by-row attention kernel. Only where the bf16 kernel is the faster linear here and (the
-    caller checks) the KV budget holds a max_model_len sequence in float32."""
+    the row-by-row attention kernel. A user who asks for bf16 gets the same weights and bytes per
+    step, with attention, norms and activations in the fused float32 ops rather than a chain of bf16
+    torch ops, which costs every layer dtype conversions and unfused kernels. Only where the bf16
+    kernel is the faster linear here and (the caller checks) the KV budget holds a max_model_len
+    sequence in float32."""
     from specdec.models.gguf_quant import has_quantized_linears
 
-    if cfg.dtype != "auto" or machine.device.type != "cpu" or cfg.quantization is not None or tensor_parallel:
+    if (cfg.dtype not in BF16_WIDENING_DTYPES or machine.device.type != "cpu" or cfg.quantization is not None
+            or tensor_parallel):
         return False
     if not machine.has("cpu_bf16") or has_quantized_linears(model_path):
         return False
@@ -254,34 +271,3 @@ def attention_backend_name(cfg: EngineConfig, machine: Machine, dtype: torch.dty
             raise ValueError("attention_backend='triton' needs triton, which does not import here")
         return "torch"
     return "triton"
-
-
-def blocks_per_sequence(cfg: EngineConfig, max_model_len: int, max_k: int) -> int:
-    """KV blocks one max_model_len sequence needs (its K speculative slots and the bonus token included)."""
-    return -(-(max_model_len + max_k + 1) // cfg.block_size)
-
-
-def num_kv_blocks(cfg: EngineConfig, device, bytes_per_block: int, max_model_len: int, max_k: int) -> int:
-    """KV blocks for this engine: ``kv_cache_memory`` bytes when set (any device); on a GPU otherwise
-    what ``gpu_memory_utilization`` of the device leaves after what this process already holds
-    (weights, other engines), never more than is free (memory the caching allocator holds for no
-    tensor counts as free); on CPU otherwise 2 GiB or what max_num_seqs sequences need."""
-    per_seq_blocks = blocks_per_sequence(cfg, max_model_len, max_k)
-    if cfg.kv_cache_memory is not None:
-        budget, setting = cfg.kv_cache_memory, "raise kv_cache_memory"
-    elif device.type == "cuda":
-        held = torch.cuda.memory_allocated(device)
-        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - held
-        budget = device_info.kv_cache_bytes_from_gpu_utilization(cfg.gpu_memory_utilization, held, device,
-                                                                 free_bytes=free)
-        setting = f"raise gpu_memory_utilization (now {cfg.gpu_memory_utilization}), set kv_cache_memory"
-    else:
-        budget = min(DEFAULT_CPU_KV_BYTES, cfg.max_num_seqs * per_seq_blocks * bytes_per_block)
-        setting = "raise kv_cache_memory"
-    num_blocks = budget // bytes_per_block
-    if num_blocks < per_seq_blocks:
-        raise ValueError(
-            f"KV cache of {budget} bytes holds {num_blocks} blocks of {cfg.block_size} tokens; one sequence of "
-            f"max_model_len={max_model_len} needs {per_seq_blocks}: {setting} or lower max_model_len"
-        )
-    return num_blocks

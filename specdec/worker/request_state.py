@@ -44,6 +44,7 @@ class CachedRequestState(TokenSequence):
     num_computed_tokens: int = 0  # the scheduler's count at the start of this step
     num_draft_computed_tokens: int = 0  # tokens whose draft KV is valid (the proposer's)
     block_ids: list[int] = field(default_factory=list)  # the scheduler's, this step
+    group_block_ids: tuple[list[int], ...] = ()  # the other KV cache groups' blocks, this step
     spec_depth: int = 0  # the planned tree depth of the drafts proposed this step (0: the proposer's own)
     grammar: GrammarState | None = None  # structured output: the request's matcher (the worker's)
     lora_request: LoRARequest | None = None  # its adapter (None: the base model)

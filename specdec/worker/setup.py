@@ -4,19 +4,23 @@ graphs, the proposer and the verifiers. Every choice is the plan's (``worker/pla
 method-specific part is its registry entry's (``spec_decode/methods.py``)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from specdec.config import EngineConfig
+from specdec.engine.kv_layout import KVGroup, KVLayout, one_group
 from specdec.layers.quantization import prepare_for_inference
-from specdec.models.loader import load_model
+from specdec.models.loader import load_model, safetensors_files
+from specdec.models.memory_check import check_fits_in_memory
 from specdec.spec_decode.methods import DraftLoad, DraftParts, SpecMethod, method_of
 from specdec.spec_decode.verifier import ChainVerifier, TreeVerifier
 from specdec.worker.device import apply_platform_defaults, resolve_device
 from specdec.worker.model_runner import ModelRunner
-from specdec.worker.plan import Machine, RuntimePlan, num_kv_blocks, resolve_plan
+from specdec.worker.kv_budget import blocks_per_sequence, kv_layout
+from specdec.worker.plan import Machine, RuntimePlan, resolve_plan
 from specdec.worker.shared_weights import SharedWeights
 
 logger = logging.getLogger("specdec")
@@ -36,9 +40,11 @@ class WorkerParts:
 
 
 def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_size: int, max_model_len: int,
-                       target_weights: SharedWeights | None = None, tp=None) -> WorkerParts:
+                       target_weights: SharedWeights | None = None, tp=None,
+                       kv_groups: tuple[KVGroup, ...] = ()) -> WorkerParts:
     """``target_weights``: take the target from it when it holds weights loaded for the same plan,
-    else load them and leave them there. ``tp``: this rank's ``TensorParallelGroup``."""
+    else load them and leave them there. ``tp``: this rank's ``TensorParallelGroup``. ``kv_groups``:
+    the target's layers by window (``engine/kv_layout.py``; () for one group of full attention)."""
     device = tp.device if tp is not None else resolve_device(cfg.device)
     apply_platform_defaults(device)
     if cfg.num_threads:
@@ -52,6 +58,10 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
     model = target_weights.take(key) if target_weights is not None else None
     shared = model is not None
     if not shared:
+        if device.type == "cpu":  # refused before any weight is read when it cannot fit
+            check_fits_in_memory(model_path, safetensors_files(model_path), plan.target.load_dtype,
+                                 _min_kv_bytes(cfg, plan, model_config, kv_groups, max_model_len),
+                                 tp.world_size if tp is not None else 1)
         model = load_model(model_path, plan.target.load_dtype, device, attn_backend, model_config, tp=tp)
     draft = DraftParts()
     if method is not None:
@@ -60,45 +70,72 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
         model = prepare_for_inference(model, plan.target.quantization, device, plan.target.bf16_weights)
         if target_weights is not None:
             target_weights.hold(key, model)
-    bytes_per_block = ModelRunner.kv_bytes_per_block(model_config, cfg.block_size, plan.dtype) + draft.kv_bytes_per_block
-    num_blocks = num_kv_blocks(cfg, device, bytes_per_block, max_model_len, plan.max_spec_slots)
-    if tp is not None:  # one block pool serves every rank: the smallest cache decides
-        num_blocks = tp.min_int(num_blocks)
-    plan = plan.with_kv_blocks(num_blocks, bytes_per_block)
+    layout = _kv_layout(cfg, device, plan, model_config, kv_groups, draft.kv_bytes_per_block, max_model_len)
+    if tp is not None:  # one block pool per group serves every rank: the smallest cache decides
+        layout = dataclasses.replace(layout, groups=tuple(
+            dataclasses.replace(g, num_blocks=tp.min_int(g.num_blocks)) for g in layout.groups))
+    plan = plan.with_kv_layout(layout, sum(g.bytes_per_block for g in layout.groups))
+    num_blocks = layout.groups[0].num_blocks
     if tp is None or tp.is_driver:
         logger.info("%s", plan)
     runner = ModelRunner(model, num_blocks, cfg.block_size, device, plan.dtype, reuse_logits=True,
-                         aux_layers=draft.aux_layers)
+                         aux_layers=draft.aux_layers, kv_layout=layout)
     draft_runner = ModelRunner(draft.model, num_blocks, cfg.block_size, device, draft.dtype) if draft.model else None
     if plan.graphs:
-        _enable_graphs(cfg, runner, draft_runner, max_model_len, spec)
+        _enable_graphs(cfg, runner, draft_runner, max_model_len, spec, method)
     proposer = method.build(spec, draft_runner, vocab_size, draft) if method is not None else None
     return WorkerParts(plan, device, plan.dtype, runner, draft_runner, method, proposer,
                        ChainVerifier(rejection_sampler(plan.sampler)), TreeVerifier())
 
 
+def _groups(plan: RuntimePlan, model_config, groups: tuple[KVGroup, ...]) -> tuple[KVGroup, ...]:
+    """The KV cache groups this worker allocates: one where graphs replay one static block table."""
+    groups = groups or (KVGroup(None, tuple(range(model_config.num_hidden_layers))),)
+    return one_group(groups) if plan.graphs else groups
+
+
+def _min_kv_bytes(cfg: EngineConfig, plan: RuntimePlan, model_config, groups: tuple[KVGroup, ...],
+                  max_model_len: int) -> int:
+    """The target's KV for one max_model_len sequence (a sliding group: its window's blocks)."""
+    layer_bytes = ModelRunner.kv_bytes_per_block(model_config, cfg.block_size, plan.dtype) \
+        // model_config.num_hidden_layers
+    return layer_bytes * sum(blocks_per_sequence(cfg, max_model_len, plan.max_spec_slots, g.window) * len(g.layers)
+                             for g in _groups(plan, model_config, groups))
+
+
+def _kv_layout(cfg: EngineConfig, device, plan: RuntimePlan, model_config, groups: tuple[KVGroup, ...],
+               draft_bytes_per_block: int, max_model_len: int) -> KVLayout:
+    """The KV pools: per group, its layers' share of the target's cache (the primary group's
+    blocks also hold the draft's); one group where graphs replay one static block table."""
+    num_layers = model_config.num_hidden_layers
+    groups = _groups(plan, model_config, groups)
+    layer_bytes = ModelRunner.kv_bytes_per_block(model_config, cfg.block_size, plan.dtype) // num_layers
+    bytes_per_block = [len(g.layers) * layer_bytes + (draft_bytes_per_block if i == 0 else 0)
+                       for i, g in enumerate(groups)]
+    return kv_layout(cfg, device, groups, bytes_per_block, max_model_len, plan.max_spec_slots)
+
+
 def attention_backend(name: str):
     """The ``AttentionBackend`` the plan named."""
-    from specdec.layers.attention import REFERENCE_BACKEND, TORCH_BACKEND, AttentionBackend
+    from specdec.layers.attention import REFERENCE_BACKEND, TORCH_BACKEND
 
     if name == "reference":
         return REFERENCE_BACKEND
     if name == "torch":
         return TORCH_BACKEND
     if name == "rows":
-        from specdec.kernels.cpu.attention_rows import ROWS_BACKEND
+        from specdec.layers.attention_rows import ROWS_BACKEND
 
         return ROWS_BACKEND
-    from specdec.kernels.triton.kv_cache import write_kv_cache_triton
-    from specdec.kernels.triton.paged_attention import paged_attention_triton
+    from specdec.layers.attention_triton import TRITON_BACKEND
 
-    return AttentionBackend("triton", write_kv_cache_triton, paged_attention_triton)
+    return TRITON_BACKEND
 
 
 def rejection_sampler(name: str):
     """The Triton sampler (same draws, same results as the reference) or the torch one."""
     if name == "triton":
-        from specdec.kernels.triton.rejection_sampler import rejection_sample_triton
+        from specdec.spec_decode.rejection_sampler_triton import rejection_sample_triton
 
         return rejection_sample_triton
     from specdec.spec_decode.rejection_sampler import rejection_sample
@@ -106,19 +143,22 @@ def rejection_sampler(name: str):
     return rejection_sample
 
 
-def _enable_graphs(cfg: EngineConfig, runner, draft_runner, max_model_len: int, spec) -> None:
+def _enable_graphs(cfg: EngineConfig, runner, draft_runner, max_model_len: int, spec, method) -> None:
     """Capture decode (q = 1) and verification (q = K + 1, every K up to the maximum: adaptive K
-    varies it) graphs for the target, proposal-pass graphs (q = 1) for a draft model, and for
-    token trees the padded tree graphs of both."""
+    varies it) graphs for the target, proposal-pass graphs (q = 1) for a draft model (an EAGLE
+    head's fed its features through a buffer too), and for token trees the padded tree graphs of
+    both (a head's tree passes run eagerly: a tree graph feeds no features)."""
     sizes = sorted({b for b in cfg.cuda_graph_batch_sizes if b <= cfg.max_num_seqs} | {1})
     max_blocks = -(-max_model_len // cfg.block_size) + 1
     max_k = spec.max_k if spec else 0
     runner.enable_graphs(sizes, [1] + [k + 1 for k in range(1, max_k + 1)], max_blocks)
+    reads_features = method is not None and method.needs_target_hidden
     if draft_runner is not None:
-        draft_runner.enable_graphs(sizes, [1], max_blocks)
+        draft_runner.enable_graphs(sizes, [1], max_blocks,
+                                   feature_size=draft_runner.model.config.hidden_size if reads_features else 0)
     if spec is not None and spec.is_tree:  # a tree step: the root row and up to num_tree_nodes nodes
         rows = cfg.max_num_batched_tokens  # no step holds more
         runner.enable_tree_graphs(sizes, 1 + spec.num_tree_nodes, spec.num_tree_nodes, max_blocks, max_rows=rows)
-        if draft_runner is not None:  # a tree pass feeds <= tree_topk nodes, each seeing the nodes fed before
+        if draft_runner is not None and not reads_features:  # a tree pass feeds <= tree_topk nodes, each seeing the nodes fed before
             draft_runner.enable_tree_graphs(sizes, spec.tree_topk, spec.tree_topk * spec.max_k, max_blocks,
                                             max_rows=rows)

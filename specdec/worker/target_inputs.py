@@ -45,5 +45,6 @@ def prepare_target(runner: ModelRunner, reqs: list[CachedRequestState], num_sche
             mask = (start + n, tree.ancestor_mask(proposal.draft_parents[i], rows_before=n))
         tree_positions.append(positions)
         tree_masks.append(mask)
-    batch = runner.prepare(feeds, starts, tables, logit_rows, tree_positions, tree_masks, lora_slots)
+    group_tables = [req.group_block_ids for req in reqs] if runner.num_kv_groups > 1 else None
+    batch = runner.prepare(feeds, starts, tables, logit_rows, tree_positions, tree_masks, lora_slots, group_tables)
     return TargetInputs(batch, verified, starts, batch.attn.query_start_loc_cpu[:-1])

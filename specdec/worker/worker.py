@@ -34,8 +34,9 @@ from specdec.worker.target_inputs import TargetInputs, prepare_target
 
 class Worker:
     def __init__(self, cfg: EngineConfig, model_path: str, model_config, vocab_size: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...], target_weights=None, tp=None):
-        parts = build_worker_parts(cfg, model_path, model_config, vocab_size, max_model_len, target_weights, tp)
+                 eos_token_ids: tuple[int, ...], kv_groups=(), target_weights=None, tp=None):
+        parts = build_worker_parts(cfg, model_path, model_config, vocab_size, max_model_len, target_weights, tp,
+                                   kv_groups)
         self.tp = tp  # TensorParallelGroup, or None on one device
         self.plan = parts.plan
         self.method = parts.method  # the speculative method's registry entry (None: no speculation)
@@ -104,11 +105,18 @@ class Worker:
             req.num_computed_tokens = computed
             req.block_ids = blocks
             req.spec_depth = depth
+        for req, group_blocks in zip(reqs, sched.group_block_ids):
+            req.group_block_ids = group_blocks
         return reqs
 
     def _scheduled_drafts(self, reqs: list[CachedRequestState], sched: SchedulerOutput) -> DraftProposal:
         """The drafts each request verifies this step: the ones proposed for it last step, cut to
         the prefix the scheduler granted (the rest, and their q rows, are dropped here)."""
+        if not any(sched.spec_token_ids):
+            if self.proposer is not None:
+                for req in reqs:
+                    req.next_drafts = None
+            return DraftProposal.empty(len(reqs))
         tokens, parents, probs, expected = [], [], [], []
         for req, scheduled in zip(reqs, sched.spec_token_ids):
             pending, req.next_drafts = req.next_drafts, None
@@ -137,6 +145,8 @@ class Worker:
         if not verified:
             return None
         vreqs = [reqs[i] for i in verified]
+        if not proposal.is_tree and all(_argmax_only(r) for r in vreqs):
+            return self.chain_verifier.verify_argmax(logits, proposal, verified)
         meta = SamplingMetadata.from_params([r.sampling_params for r in vreqs], [r.generator for r in vreqs],
                                             self.device)
         meta_rows = meta.expand([len(proposal.draft_token_ids[i]) + 1 for i in verified])
@@ -164,7 +174,7 @@ class Worker:
             first_rows = [inputs.row_offsets[i] + sched.num_scheduled_tokens[i] for i in verified]
             verifier = self.tree_verifier if proposal.is_tree else self.chain_verifier
             verifier.move_accepted(self.runner, first_slots, [reqs[i].block_ids for i in verified], first_rows,
-                                   verification, hidden)
+                                   verification, hidden, [reqs[i].group_block_ids for i in verified])
             logprobs = self._logprobs_source(reqs, verified, logits)
             row = 0
             for k, i in enumerate(verified):
@@ -177,9 +187,9 @@ class Worker:
                     out.logprobs[i] = [_token_logprobs(logprobs[row + r], t, req.sampling_params.logprobs or 0)
                                        for r, t in zip(verification.scored_rows[k], tokens)]
                 row += len(proposal.draft_token_ids[i]) + 1
-                for t in tokens:
-                    req.append_output_token(t)
-                out.num_forced_tokens[i] = self.structured_output.commit(req, tokens, out.logprobs[i])
+                req.append_output_tokens(tokens)
+                if req.grammar is not None:
+                    out.num_forced_tokens[i] = self.structured_output.commit(req, tokens, out.logprobs[i])
         for req, start, kept in zip(reqs, inputs.starts, num_kept):
             req.num_computed_tokens = start + kept
         return out, num_kept
@@ -191,7 +201,7 @@ class Worker:
         kept, since no features outlive the step."""
         if self.proposer is None:
             return
-        ks = [self._num_next_drafts(req, k) for req, k in zip(reqs, sched.num_spec_slots)]
+        ks = [self._num_next_drafts(req, k) if k else 0 for req, k in zip(reqs, sched.num_spec_slots)]
         target = None
         if self.method.needs_target_hidden:
             if hidden is None:
@@ -200,8 +210,11 @@ class Worker:
             target = TargetStates(hidden, inputs.starts, inputs.row_offsets, num_kept)
         elif not any(ks):
             return
-        proposal = self.proposer.propose(reqs, ks, sched.tree_budget, grammar=self.structured_output, target=target)
-        proposal = self.structured_output.prune(reqs, proposal)
+        # the grammar hooks only where a request has a grammar
+        grammar = self.structured_output if any(r.grammar is not None for r in reqs) else None
+        proposal = self.proposer.propose(reqs, ks, sched.tree_budget, grammar=grammar, target=target)
+        if grammar is not None:
+            proposal = grammar.prune(reqs, proposal)
         out.num_draft_first_pass_rows = proposal.num_first_pass_rows
         if self.method.has_draft_model:
             out.num_draft_passes = max(proposal.num_positions, default=0)
@@ -213,22 +226,24 @@ class Worker:
             first += len(drafts)
             parents = None if proposal.draft_parents is None else proposal.draft_parents[i]
             expected = None if proposal.expected_by_request is None else proposal.expected_by_request[i]
-            req.next_drafts = PendingDrafts(list(drafts), parents, probs, expected)
-            out.draft_token_ids[i] = list(drafts)
+            drafts = list(drafts)  # one copy, read-only from here: the pending drafts and the output's
+            req.next_drafts = PendingDrafts(drafts, parents, probs, expected)
+            out.draft_token_ids[i] = drafts
 
     def _num_next_drafts(self, req: CachedRequestState, granted: int) -> int:
         """The drafts ``req`` may get now: the scheduler's grant, if the request decodes and has room
         for them (its output limit, the context, the KV slots it holds) and did not just end."""
-        if not granted or req.num_tokens - req.num_computed_tokens != 1:
+        num_tokens = req.num_tokens
+        if not granted or num_tokens - req.num_computed_tokens != 1:
             return 0
-        params = req.sampling_params
-        last = req.output_token_ids[-1] if req.output_token_ids else None
-        if last is not None and req.num_output_tokens >= params.min_tokens and (
+        params, output = req.sampling_params, req.output_token_ids
+        last = output[-1] if output else None
+        if last is not None and len(output) >= params.min_tokens and (
                 last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids)):
             return 0  # the commit will stop it
         slots = len(req.block_ids) * self.runner.block_size
-        return max(0, min(granted, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens,
-                          slots - req.num_tokens))
+        return max(0, min(granted, req.max_tokens - len(output) - 1, self.max_model_len - num_tokens,
+                          slots - num_tokens))
 
     @staticmethod
     def _logprobs_source(reqs, verified: list[int], logits: torch.Tensor) -> torch.Tensor | None:
@@ -255,6 +270,19 @@ class Worker:
 
         runner = self.runner if kind == "target" else self.draft_runner
         return time_forward(runner, num_tokens) if runner is not None else 0.0
+
+    def time_verify_forward(self, num_reqs: int, rows_per_req: int) -> float:
+        """Seconds of one target pass of ``num_reqs`` requests feeding ``rows_per_req`` rows each
+        (random tokens, so a mixture-of-experts target routes them as real rows). Before serving."""
+        from specdec.worker.calibrate import time_verify_forward
+
+        return time_verify_forward(self.runner, num_reqs, rows_per_req, context=32, repeats=2)
+
+    def verification_batch_sizes(self, max_num_seqs: int, max_rows: int) -> tuple[int, ...]:
+        """Batch sizes the cost model times verification-shaped passes on; () for a dense target."""
+        from specdec.worker.calibrate import verification_batch_sizes
+
+        return verification_batch_sizes(self.runner, max_num_seqs, max_rows)
 
     def num_request_states(self) -> int:
         return len(self.requests)
@@ -284,6 +312,14 @@ def _lora_manager(cfg: EngineConfig, model, model_config, dtype: torch.dtype):
     from specdec.lora.manager import LoRAManager
 
     return LoRAManager(apply_lora(model, cfg.max_loras, cfg.max_lora_rank, dtype), model_config, cfg.max_lora_rank)
+
+
+def _argmax_only(req: CachedRequestState) -> bool:
+    """Whether ``req``'s next tokens are the argmax of the target's raw logits: greedy, and no
+    penalty, min_tokens ban or grammar changes them."""
+    params = req.sampling_params
+    return params.is_greedy and req.grammar is None and not params.has_penalties \
+        and params.min_tokens <= req.num_output_tokens
 
 
 def _token_logprobs(lp: torch.Tensor, token: int, top: int) -> dict[int, float]:

@@ -14,7 +14,8 @@ def test_each_dtype_gets_its_decode_rate_and_roofline_fraction(llama_path, tmp_p
     r = json.loads(out.read_text())
     assert r["kind"] == "roofline" and [e["dtype"] for e in r["engines"]] == ["float32", "bfloat16"]
     f32, bf16 = r["engines"]
-    assert f32["engine_dtype"] == "float32" and bf16["engine_dtype"] == "bfloat16"
+    # activations: bf16, or float32 where the bf16-weight kernel is faster (dtype="bfloat16" takes auto's path)
+    assert f32["engine_dtype"] == "float32" and bf16["engine_dtype"] in ("bfloat16", "float32")
     for e in r["engines"]:
         assert len(e["decode_tokens_per_s_per_iter"]) == 2 and e["roofline_fraction"] > 0
     # bf16 weights stream half the bytes of float32 ones (the embedding gathered, not streamed)

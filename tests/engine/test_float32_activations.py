@@ -45,8 +45,23 @@ def test_auto_runs_bf16_weights_with_float32_activations_and_decodes_float32_tok
     assert greedy_tokens(llm, chosen) == reference
 
 
-def test_explicit_bf16_and_a_quantized_auto_engine_keep_their_dtypes(bf16_cpu, bf16_llama_path):
-    assert LLM(model=bf16_llama_path, dtype="bfloat16", **ENGINE).engine.dtype == torch.bfloat16
+def test_explicit_bf16_takes_the_same_bf16_weight_path_as_auto(bf16_cpu, bf16_llama_path, prompts):
+    """What a vLLM user passes is not the slower path: bf16 weights, float32 activations."""
+    chosen = prompts[:3]
+    reference = greedy_tokens(LLM(model=bf16_llama_path, dtype="float32", **ENGINE), chosen)
+    llm = LLM(model=bf16_llama_path, dtype="bfloat16", **ENGINE, speculative_config={
+        "method": "draft_model", "model": bf16_llama_path, "num_speculative_tokens": 3})
+    assert llm.engine.dtype == torch.float32
+    model = llm.engine.executor.driver_worker.runner.model
+    assert sum(isinstance(m, Bf16WeightLinear) for m in model.modules()) == 2 * 4 + 1
+    assert greedy_tokens(llm, chosen) == reference
+
+
+def test_explicit_bf16_without_a_faster_bf16_kernel_and_a_quantized_auto_engine_keep_their_dtypes(
+        bf16_cpu, bf16_llama_path, monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setattr(quantization, "bf16_kernel_faster", lambda: False)
+        assert LLM(model=bf16_llama_path, dtype="bfloat16", **ENGINE).engine.dtype == torch.bfloat16
     llm = LLM(model=bf16_llama_path, dtype="auto", quantization="int8", **ENGINE)
     assert llm.engine.dtype == torch.bfloat16  # weight-only int8 keeps the bf16 model it had
     assert not any(isinstance(m, Bf16WeightLinear) for m in llm.engine.executor.driver_worker.runner.model.modules())

@@ -58,7 +58,7 @@ def test_allocate_fails_cleanly_when_out_of_blocks():
     assert num_hit == BS  # a's first block survived (its tail was evicted for b)
     before = snapshot(kv)
     assert not kv.allocate_slots(d, d.num_tokens - num_hit, blocks)  # 2 new blocks, 0 really free
-    assert snapshot(kv) == before and blocks[0].ref_cnt == 0
+    assert snapshot(kv) == before and blocks[0][0].ref_cnt == 0  # [group][block]
 
 
 def test_shared_prefix_shares_blocks():
@@ -81,7 +81,7 @@ def test_a_different_earlier_block_means_no_hit():
     kv = KVCacheManager(num_blocks=16, block_size=BS)
     admit(kv, req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
     b = req("b", [0, 2, 3, 4, 5, 6, 7, 8, 9])  # same second block, different first block
-    assert kv.get_computed_blocks(b) == ([], 0)
+    assert kv.get_computed_blocks(b) == ([[]], 0)
 
 
 def test_a_hit_leaves_at_least_one_token_to_compute():
@@ -89,7 +89,7 @@ def test_a_hit_leaves_at_least_one_token_to_compute():
     tokens = list(range(8))
     admit(kv, req("a", tokens))
     blocks, num_hit = kv.get_computed_blocks(req("b", tokens))  # identical, block-aligned prompt
-    assert num_hit == 4 and len(blocks) == 1  # the last block is recomputed to get its logits
+    assert num_hit == 4 and len(blocks[0]) == 1  # the last block is recomputed to get its logits
 
 
 def test_hit_on_freed_blocks_revives_them():
@@ -168,7 +168,7 @@ def test_cache_full_blocks_registers_only_committed_full_blocks():
 def test_prefix_caching_disabled():
     kv = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
     admit(kv, req("a", range(9)))
-    assert kv.get_computed_blocks(req("b", range(9))) == ([], 0)
+    assert kv.get_computed_blocks(req("b", range(9))) == ([[]], 0)
     assert kv.pool.cached == {}
 
 
@@ -205,14 +205,17 @@ def test_window_freed_blocks_stay_findable_in_the_prefix_cache():
     kv = KVCacheManager(num_blocks=8, block_size=BS, sliding_window=4)
     a = req("a", range(12))
     admit(kv, a)
-    first = kv.req_blocks["a"][0]
+    first, _, last = kv.req_blocks["a"]
     assert kv.free_outside_window(a) == 2 and first.ref_cnt == 0  # free, still cached
+    kv.free(a)
     b = req("b", list(range(12)) + [7])
     blocks, num_hit = kv.get_computed_blocks(b)
-    assert num_hit == 12 and blocks[0] is first  # a's freed leading blocks are revived by the hit
+    # b's first query (position 12) reads keys 9..: only the last block is taken, the ones before
+    # the window stay free
+    assert num_hit == 12 and blocks == [[None, None, last]]
     assert kv.allocate_slots(b, b.num_tokens - num_hit, blocks)
-    assert first.ref_cnt == 1
-    kv.free(a)
+    assert last.ref_cnt == 1 and first.ref_cnt == 0 and kv.req_blocks["b"][:2] == [None, None]
+    assert kv.free_outside_window(b) == 0  # the hit's leading blocks count as freed
     kv.free(b)
     assert kv.pool.num_free_blocks == 8
 
@@ -222,3 +225,51 @@ def test_without_a_window_nothing_is_freed_early():
     r = req("a", range(20))
     admit(kv, r)
     assert kv.free_outside_window(r) == 0 and None not in kv.req_blocks["a"]
+
+
+# ---- KV cache groups: a full-attention group and a sliding one, each on its own pool ----
+
+def hybrid(num_full: int, num_sliding: int, window: int) -> KVCacheManager:
+    from specdec.engine.kv_layout import KVGroup, KVLayout
+
+    return KVCacheManager.from_layout(KVLayout(BS, (KVGroup(None, (1,), num_full), KVGroup(window, (0,), num_sliding))))
+
+
+def test_only_the_sliding_group_frees_behind_its_window():
+    kv = hybrid(num_full=16, num_sliding=16, window=6)
+    r = req("a", range(10))
+    admit(kv, r)
+    full, sliding = kv.groups
+    for _ in range(20):  # decode: one token per step
+        assert kv.allocate_slots(r, 1)
+        r.append_output_token(1)
+        r.num_computed_tokens = r.num_tokens - 1
+    assert len(kv.get_block_ids("a")) == len(kv.get_group_block_ids("a")[0]) == -(-r.num_tokens // BS)
+    assert sum(b is not None for b in full.req_blocks["a"]) == -(-r.num_tokens // BS)  # everything kept
+    assert sum(b is not None for b in sliding.req_blocks["a"]) <= -(-6 // BS) + 2  # the window's blocks
+    assert kv.usage == full.pool.usage > sliding.pool.usage
+    kv.free(r)
+    assert full.pool.num_free_blocks == 16 and sliding.pool.num_free_blocks == 16
+
+
+def test_allocation_needs_room_in_every_group_or_takes_nothing():
+    kv = hybrid(num_full=16, num_sliding=2, window=8)
+    a = req("a", range(12))
+    before = [(g.pool.num_free_blocks, dict(g.req_blocks)) for g in kv.groups]
+    assert not kv.allocate_slots(a, 12)  # 3 blocks: the full group has them, the sliding one does not
+    assert [(g.pool.num_free_blocks, dict(g.req_blocks)) for g in kv.groups] == before
+
+
+def test_a_prefix_hit_needs_every_group_to_resume_from_it():
+    kv = hybrid(num_full=16, num_sliding=16, window=4)
+    a = req("a", range(16))
+    admit(kv, a)
+    kv.free_outside_window(a)  # the sliding group keeps blocks 3 (its window) only
+    b = req("b", list(range(16)) + [5])
+    blocks, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 16 and [len(g) for g in blocks] == [4, 4] and blocks[1][:3] == [None] * 3
+    kv.free(a)
+    sliding = kv.groups[1]
+    sliding.pool.reset_prefix_cache()  # the sliding blocks are evicted: nothing to resume from
+    blocks, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 0 and blocks == [[], []]

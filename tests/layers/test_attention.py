@@ -83,3 +83,26 @@ def test_write_kv_cache_places_tokens_at_their_slots():
     assert torch.equal(kv_cache[0, 0, 0, 0], key[1, 0])
     assert torch.equal(kv_cache[1, 1, 1, 0], -key[2, 0])
     assert kv_cache[0, 3].abs().sum() == 0  # untouched block
+
+
+def test_each_backend_builds_its_plan_once_per_step_and_keeps_it_apart():
+    """``AttentionMetadata.plan_for``: the torch backend's plan (one per sliding window) is built by
+    the step's first layer and reused by the next; a new step's metadata starts without plans."""
+    torch.manual_seed(0)
+    tables = [[0, 1], [2, 3]]
+    meta = _meta([1, 1], [20, 9], tables, 16)
+    query = torch.randn(2, 4, 8)
+    cache = torch.randn(2, 4, 16, 2, 8)
+    assert meta.backend_plans == {}
+    first = paged_attention_torch(query, cache, meta, 0.3)
+    plans = meta.backend_plans["torch"]
+    full = plans.by_window[None]
+    again = paged_attention_torch(query, cache, meta, 0.3)
+    assert meta.backend_plans["torch"] is plans and plans.by_window[None] is full and torch.equal(first, again)
+    paged_attention_torch(query, cache, meta, 0.3, sliding_window=4)  # a sliding layer: its own plan
+    assert set(plans.by_window) == {None, 4}
+    built = []
+    assert meta.plan_for("other", lambda m: built.append(m) or "plan") == "plan"
+    assert meta.plan_for("other", lambda m: built.append(m) or "not rebuilt") == "plan" and built == [meta]
+    assert meta.backend_plans["torch"] is plans  # another backend's plan sits apart
+    assert _meta([1, 1], [20, 9], tables, 16).backend_plans == {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.kernels.cpu import attention_rows
+from specdec.layers import attention_rows
 from specdec.layers.attention import AttentionMetadata, paged_attention_reference, paged_attention_torch
 from specdec.spec_decode import tree as tree_lib
 

@@ -79,3 +79,45 @@ def test_emptied_slot_adds_nothing(path):
     x = torch.randn(3, IN)
     context.mapping = LoRAMapping.build([0], [0, 3], "cpu")
     torch.testing.assert_close(layer(x), base(x))
+
+
+def _bf16_layer(max_loras: int = 2, rank: int = 16):
+    """A LoRALinear over a pair-layout bf16 base (dtype "auto" on an avx512_bf16 CPU), or a skip."""
+    from specdec.kernels.cpu import woq_cpu
+    from specdec.layers.quantization import Bf16WeightLinear
+
+    if not woq_cpu.bf16_pairs_available():
+        pytest.skip("no avx512_bf16 pair kernel on this CPU")
+    torch.manual_seed(0)
+    outs, parts, in_features = (64, 32, 32), ("q_proj", "k_proj", "v_proj"), 64
+    base = Bf16WeightLinear(nn.Linear(in_features, sum(outs), bias=False).to(torch.bfloat16))
+    context = LoRAContext()
+    layer = LoRALinear(base, parts, [(0, o) for o in outs], (0, in_features), max_loras, rank, context,
+                       torch.float32, "cpu")
+    slots = {}
+    for slot in range(max_loras):
+        gen = torch.Generator().manual_seed(slot + 1)
+        slots[slot] = [(torch.randn(rank, in_features, generator=gen) * 0.1, torch.randn(o, rank, generator=gen) * 0.1)
+                       for o in outs]
+        layer.set_slot(slot, dict(zip(parts, slots[slot])))
+    return layer, context, base, slots
+
+
+def test_bf16_adapters_over_a_bf16_base_match_reference_and_are_row_consistent():
+    layer, context, base, slots = _bf16_layer()
+    assert layer.a16 is not None and layer.a16.pairs  # the adapters went bf16 (pair layout)
+    x = torch.randn(9, 64)
+    request_slots, qsl = [0, 1, NO_ADAPTER, 1], [0, 1, 5, 6, 9]
+    context.mapping = LoRAMapping.build(request_slots, qsl, "cpu")
+    row_slots = context.mapping.row_slots.tolist()
+    got = layer(x)
+    # bf16 weights and bf16-rounded activations: close to the float32 delta, not equal
+    want = base(x) + lora_reference(x, row_slots, slots)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
+    assert not torch.equal(got, base(x))
+    # each row alone (a decode step) gives that row of the batch bit for bit
+    for i, slot in enumerate(row_slots):
+        context.mapping = LoRAMapping.build([slot], [0, 1], "cpu")
+        assert torch.equal(layer(x[i:i + 1]), got[i:i + 1]), f"row {i} (slot {slot}) differs alone"
+    # negative control: the float32 reference is not bitwise what the bf16 path gives
+    assert not torch.equal(got, want)

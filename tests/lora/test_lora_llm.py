@@ -122,3 +122,31 @@ def test_quantized_target_with_adapters(llama_path, mixed, quantization):
     spec = LLM(model=llama_path, **kw, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(), use_tqdm=False,
                                                           lora_request=mixed)] == outs
+
+
+def test_bf16_adapters_with_dtype_auto_stay_lossless_under_speculation(bf16_llama_path, tmp_path, monkeypatch):
+    """dtype "auto" on a bf16 checkpoint streams bf16 pair-layout weights; the adapters go bf16
+    through the same row-consistent kernel, so n-gram speculation still equals plain decoding."""
+    from specdec.kernels.cpu import woq_cpu
+    from specdec.layers import quantization
+    from specdec.layers.lora import LoRALinear
+    from specdec.worker import device
+    from tests.lora.conftest import write_adapter
+
+    if not woq_cpu.bf16_pairs_available():
+        pytest.skip("no avx512_bf16 pair kernel on this CPU")
+    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: True)
+    monkeypatch.setattr(quantization, "bf16_kernel_faster", lambda: True)
+    lora = LoRARequest("a", 1, write_adapter(tmp_path / "a", bf16_llama_path, rank=16, seed=3))
+    kw = {**ENGINE, "dtype": "auto", "max_lora_rank": 16}
+    loras = [lora, None, lora]
+    plain = LLM(model=bf16_llama_path, **kw)
+    bf16 = plain.engine.executor.driver_worker.apply_model(
+        lambda m: [x.bf16 for x in m.modules() if isinstance(x, LoRALinear)])
+    assert bf16 and all(bf16)
+    outs = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], greedy(), use_tqdm=False, lora_request=loras)]
+    base = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], greedy(), use_tqdm=False)]
+    assert [o != b for o, b in zip(outs, base)] == [True, False, True]
+    spec = LLM(model=bf16_llama_path, **kw, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS[:3], greedy(), use_tqdm=False,
+                                                          lora_request=loras)] == outs

@@ -108,3 +108,32 @@ def test_unexpected_weight_is_named(model_copy):
     save_file(weights, str(file), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="extra_proj"):
         load_model(str(model_copy), torch.float32, torch.device("cpu"))
+
+
+def test_a_model_larger_than_memory_is_refused_before_loading(llama_path, monkeypatch):
+    from specdec.models import loader, memory_check
+    from specdec.worker.model_runner import ModelRunner
+
+    files = loader.safetensors_files(llama_path)
+    weights = memory_check.checkpoint_weight_bytes(files, torch.float32)
+    numel = sum(t.numel() for f in files for t in load_file(f).values())
+    assert weights == 4 * numel  # float32: 4 bytes per weight whatever the checkpoint stores
+    assert memory_check.checkpoint_weight_bytes(files, torch.bfloat16) == 2 * numel
+    monkeypatch.setattr(memory_check, "available_memory_bytes", lambda: weights // 2)
+    monkeypatch.setattr("specdec.worker.setup.load_model", lambda *a, **k: pytest.fail("weights were read"))
+    with pytest.raises(ValueError, match="does not fit in memory") as e:
+        LLM(model=llama_path, max_model_len=64, **ENGINE)
+    cfg = load_config(llama_path)
+    # max_model_len and the bonus slot in 16-token blocks
+    min_kv = -(-65 // 16) * ModelRunner.kv_bytes_per_block(cfg, 16, torch.float32)
+    message = str(e.value)
+    assert f"{weights} bytes of weights in float32" in message
+    assert f"{weights + min_kv} bytes" in message and f"{weights // 2} bytes are available" in message
+
+
+def test_a_model_that_fits_loads(llama_path, monkeypatch):
+    from specdec.models import memory_check
+
+    monkeypatch.setattr(memory_check, "available_memory_bytes", lambda: 1 << 40)
+    llm = LLM(model=llama_path, max_model_len=64, **ENGINE)
+    assert llm.generate(["hi"])[0].outputs

@@ -18,10 +18,12 @@ DS = dict(arch="deepseek_v3", num_layers=2, num_heads=4, num_kv_heads=4, moe_int
           first_k_dense_replace=1, initializer_range=0.05, random_norms_and_biases=True)
 
 
-def _add_mtp_layer(path: str, seed: int, num_layers: int = DS["num_layers"]) -> str:
-    """Write model.layers.{L}, in place: the last decoder block's weights, random enorm / hnorm,
-    the final norm as shared_head.norm, and an eh_proj that passes the next token's embedding
-    through plus a little of h (so its drafts are sometimes right)."""
+def _add_mtp_layer(path: str, seed: int, num_layers: int = DS["num_layers"], num_mtp_layers: int = 1) -> str:
+    """Write model.layers.{L + i} for i < num_mtp_layers, in place: the last decoder block's
+    weights (layer i > 0: plus noise, so the layers differ), random enorm / hnorm, the final norm
+    as shared_head.norm, and an eh_proj that passes the next token's embedding through plus a
+    little of h (so its drafts are sometimes right); num_nextn_predict_layers in config.json."""
+    import json
     from pathlib import Path
 
     from safetensors.torch import load_file, save_file
@@ -31,17 +33,23 @@ def _add_mtp_layer(path: str, seed: int, num_layers: int = DS["num_layers"]) -> 
     hidden = weights["model.embed_tokens.weight"].shape[1]
     gen = torch.Generator().manual_seed(seed)
     last = f"model.layers.{num_layers - 1}."
-    mtp = f"model.layers.{num_layers}."
-    for name in [n for n in weights if n.startswith(last)]:
-        weights[mtp + name[len(last):]] = weights[name].clone()
-    for norm in ("enorm", "hnorm"):
-        weights[f"{mtp}{norm}.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
-    weights[f"{mtp}shared_head.norm.weight"] = weights["model.norm.weight"].clone()
-    weights[f"{mtp}eh_proj.weight"] = torch.cat([torch.eye(hidden),
-                                                 0.05 * torch.randn(hidden, hidden, generator=gen)], dim=1)
-    weights[f"{mtp}embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
-    weights[f"{mtp}shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    for i in range(num_mtp_layers):
+        mtp = f"model.layers.{num_layers + i}."
+        for name in [n for n in weights if n.startswith(last)]:
+            w = weights[name].clone()
+            weights[mtp + name[len(last):]] = w + 0.2 * w.std() * torch.randn(w.shape, generator=gen) \
+                if i and w.dim() == 2 else w
+        for norm in ("enorm", "hnorm"):
+            weights[f"{mtp}{norm}.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+        weights[f"{mtp}shared_head.norm.weight"] = weights["model.norm.weight"].clone()
+        weights[f"{mtp}eh_proj.weight"] = torch.cat([torch.eye(hidden),
+                                                     0.05 * torch.randn(hidden, hidden, generator=gen)], dim=1)
+        weights[f"{mtp}embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+        weights[f"{mtp}shared_head.head.weight"] = weights["lm_head.weight"].clone()
     save_file(weights, str(file), metadata={"format": "pt"})
+    config = json.loads((Path(path) / "config.json").read_text())
+    config["num_nextn_predict_layers"] = num_mtp_layers
+    (Path(path) / "config.json").write_text(json.dumps(config))
     return path
 
 
@@ -73,6 +81,50 @@ def test_greedy_equals_plain(target, prompts, plain, spec):
     assert [o.outputs[0].token_ids for o in outs] == plain
     metrics = llm.get_metrics()
     assert metrics["num_draft_tokens"] > 0 and metrics["num_accepted_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def two_layer_target(make_model):
+    return _add_mtp_layer(make_model("deepseek_v3_mtp2", **DS), seed=5, num_mtp_layers=2)
+
+
+@pytest.mark.parametrize("spec", [{"num_speculative_tokens": 3}, {"num_speculative_tokens": 3, "tree_topk": 2,
+                                                                  "tree_nodes": 6}], ids=["k3", "tree"])
+def test_two_mtp_layers_greedy_equals_plain(two_layer_target, prompts, spec):
+    """Both layers load (each its own cache layer); draft 1 from layer 0, drafts 2 and 3 from
+    layer 1; output identical to plain decoding of the same target."""
+    plain = LLM(model=two_layer_target, **ENGINE).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    llm = LLM(model=two_layer_target, **ENGINE, speculative_config={"method": "mtp", **spec})
+    head = llm.engine.executor.driver_worker.proposer.runner.model
+    assert head.num_layers == 2 and len(llm.engine.executor.driver_worker.proposer.runner.kv_caches) == 2
+    assert not torch.equal(head.layers[0].self_attn.kv_b_proj.weight, head.layers[1].self_attn.kv_b_proj.weight)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+def test_pass_i_runs_layer_min_i_n_minus_1(two_layer_target):
+    """The layer each pass runs: the chaining rule, and the catch-up writes both cache layers."""
+    from specdec.models.loader import iterate_weights, load_model
+    from specdec.spec_decode.mtp import MTPHead
+
+    head = MTPHead(load_model(two_layer_target, torch.float32, torch.device("cpu")))
+    head.load_weights(iterate_weights(two_layer_target))
+    ran = []
+    for i, layer in enumerate(head.layers):
+        layer.register_forward_hook(lambda *_, i=i: ran.append(i))
+    from specdec.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(head, 8, 8, torch.device("cpu"), torch.float32)
+    for draft_pass, expected in ((0, [0, 1]), (1, [1]), (2, [1]), (5, [1])):
+        ran.clear()
+        head.draft_pass = draft_pass
+        batch = runner.prepare([[5, 6, 7]], [0], [[0]], [[2]])
+        batch.features = torch.randn(3, head.config.hidden_size)
+        runner.forward(batch)
+        assert ran == expected, draft_pass
+    assert all(c.abs().sum() > 0 for c in runner.kv_caches)
 
 
 def test_a_target_without_mtp_weights_is_refused(make_model):

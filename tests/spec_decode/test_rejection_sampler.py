@@ -68,6 +68,34 @@ def test_greedy_ragged_batch_without_any_softmax_or_sort(monkeypatch):
     assert num_accepted.tolist() == [0, 0, 2]
 
 
+def test_argmax_verification_equals_the_greedy_rejection_sampler():
+    """ChainVerifier.verify_argmax (greedy requests without logits processing) emits what the
+    rejection sampler's greedy rule emits, request by request, on ragged batches where drafts
+    match the argmax for random prefixes."""
+    from specdec.spec_decode.proposer import DraftProposal
+    from specdec.spec_decode.verifier import ChainVerifier
+
+    verifier = ChainVerifier(rejection_sample)
+    gen = torch.Generator().manual_seed(0)
+    num_differing = 0
+    for _ in range(50):
+        ks = torch.randint(0, 4, (6,), generator=gen).tolist()
+        logits = torch.randn(sum(ks) + len(ks), 12, generator=gen)
+        argmax, drafts, row = logits.argmax(-1).tolist(), [], 0
+        for k in ks:
+            matching = int(torch.randint(0, k + 1, (1,), generator=gen))
+            wrong = [(argmax[row + j] + 1) % 12 for j in range(matching, k)]
+            drafts.append(argmax[row:row + matching] + wrong)
+            row += k + 1
+        proposal = DraftProposal(drafts, None)
+        verified = list(range(len(ks)))
+        fast = verifier.verify_argmax(logits, proposal, verified)
+        reference = verifier.verify(logits, proposal, verified, greedy(len(ks)))
+        assert fast == reference
+        num_differing += sum(a < len(d) for a, d in zip(fast.num_accepted, drafts))
+    assert num_differing > 0  # rejections were exercised, not only full acceptance
+
+
 def test_mismatched_shapes_raise():
     with pytest.raises(ValueError, match="num_draft_tokens"):
         rejection_sample(torch.zeros(3, 4), torch.tensor([1, 2]), [1], None, greedy(1))

@@ -224,12 +224,6 @@ def test_seeded_sampled_request_with_speculation_is_independent_of_the_batch(lla
     assert outs[-1].outputs[0].token_ids == alone.outputs[0].token_ids
 
 
-def test_draft_with_a_different_vocabulary_is_refused(llama_path, make_model, make_char_tokenizer):
-    draft = make_model("char_vocab_draft", arch="llama", tokenizer=make_char_tokenizer(), vocab_size=32)
-    with pytest.raises(ValueError, match="different tokenizer"):
-        spec_llm(llama_path, draft, 3)
-
-
 SHARED_PREFIX = ("def dedent(text):\n    \"\"\"Remove any common leading whitespace from every\n"
                  "    line in `text`.\n    \"\"\"\n")
 

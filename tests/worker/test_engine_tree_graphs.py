@@ -1,6 +1,7 @@
-"""A draft_model engine with token trees on the graph path (Triton attention; the padded tree
-graphs and the per-batch-size graphs, run eagerly on CPU with the kernels in the interpreter)
-gives plain greedy decoding's tokens, in float32."""
+"""A draft_model engine with token trees, and an EAGLE engine, on the graph path (Triton
+attention; the padded tree graphs and the per-batch-size graphs, an EAGLE head's fed its
+features, run eagerly on CPU with the kernels in the interpreter) give plain greedy decoding's
+tokens, in float32."""
 import os
 
 DEVICE = os.environ.get("SPECDEC_KERNEL_DEVICE", "cpu")
@@ -29,7 +30,7 @@ def test_tree_steps_through_graphs_stay_lossless(llama_path, noisy_draft_path, p
     engine = llm.engine.executor.driver_worker
     if DEVICE == "cpu":  # the builder captures graphs on GPUs only: add the same ones, run eagerly
         _enable_graphs(llm.config, engine.runner, engine.draft_runner, llm.engine.max_model_len,
-                       llm.config.speculative_config)
+                       llm.config.speculative_config, engine.method)
     calls = {"target": 0, "draft": 0}
     for name, runner in (("target", engine.runner), ("draft", engine.draft_runner)):
         graph, run = runner.tree_graph, runner.tree_graph.run
@@ -43,3 +44,28 @@ def test_tree_steps_through_graphs_stay_lossless(llama_path, noisy_draft_path, p
     assert got == expected
     assert calls["target"] > 0 and calls["draft"] > 0
     assert engine.runner.tree_graph.max_query_len == 7 and engine.draft_runner.tree_graph.max_query_len == 2
+
+
+def test_eagle_steps_through_graphs_stay_lossless(llama_path, eagle_head_path, prompts):
+    chosen = prompts[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    plain = LLM(model=llama_path, **ENGINE)
+    expected = [o.outputs[0].token_ids for o in plain.generate(chosen, params, use_tqdm=False)]
+    llm = LLM(model=llama_path, attention_backend="triton", **ENGINE,
+              speculative_config={"method": "eagle", "model": eagle_head_path, "num_speculative_tokens": 3})
+    engine = llm.engine.executor.driver_worker
+    if DEVICE == "cpu" or not engine.draft_runner.graphs:  # EAGLE steps are not captured by the builder yet
+        _enable_graphs(llm.config, engine.runner, engine.draft_runner, llm.engine.max_model_len,
+                       llm.config.speculative_config, engine.method)
+    assert engine.draft_runner.tree_graph is None  # a head's tree passes need features: eager
+    calls = {"target": 0, "draft": 0}
+    for name, runner in (("target", engine.runner), ("draft", engine.draft_runner)):
+        for graph in runner.graphs.values():
+            def counted(*args, _run=graph.run, _name=name, **kwargs):
+                calls[_name] += 1
+                return _run(*args, **kwargs)
+
+            graph.run = counted
+    got = [o.outputs[0].token_ids for o in llm.generate(chosen, params, use_tqdm=False)]
+    assert got == expected
+    assert calls["target"] > 0 and calls["draft"] > 0  # verification steps and drafting passes replayed

@@ -15,7 +15,6 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 import torch
 
 from specdec.kernels.triton import load
-from specdec.layers.attention import AttentionBackend
 from specdec.models.loader import load_config, load_model
 from specdec.worker.model_runner import ModelRunner
 
@@ -25,8 +24,9 @@ BLOCK_SIZE, NUM_BLOCKS = 4, 24
 @pytest.fixture(scope="module")
 def runners(llama_path):
     device = torch.device(DEVICE)
-    backend = AttentionBackend("triton", load("kv_cache").write_kv_cache_triton,
-                               load("paged_attention").paged_attention_triton)
+    load("paged_attention")  # the mode check, before the backend imports the kernels
+    from specdec.layers.attention_triton import TRITON_BACKEND as backend
+
     model = load_model(llama_path, torch.float32, device, backend, load_config(llama_path))
     eager = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, device, torch.float32)
     graphed = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, device, torch.float32)
@@ -68,3 +68,48 @@ def test_steps_without_a_graph_run_eagerly(runners):
     five = [[i + 3] for i in range(5)]  # more requests than the largest captured batch (4)
     step(runners, five, [0] * 5, [[9 + i] for i in range(5)], expect_graph=False)
     step(runners, [[3, 4]], [0], [[20]], expect_graph=False)  # q = 2: no graph captured for it
+
+
+@pytest.fixture(scope="module")
+def head_runners(llama_path, eagle_head_path):
+    from specdec.models.eagle import load_head
+
+    device = torch.device(DEVICE)
+    load("paged_attention")  # the mode check, before the backend imports the kernels
+    from specdec.layers.attention_triton import TRITON_BACKEND as backend
+
+    target = load_model(llama_path, torch.float32, device, backend, load_config(llama_path))
+    head = load_head(eagle_head_path, target, torch.float32, device, backend)
+    eager = ModelRunner(head, NUM_BLOCKS, BLOCK_SIZE, device, torch.float32)
+    graphed = ModelRunner(head, NUM_BLOCKS, BLOCK_SIZE, device, torch.float32)
+    graphed.enable_graphs([1, 2, 4], [1], max_blocks_per_seq=6, use_graphs=DEVICE != "cpu",
+                          feature_size=target.config.hidden_size)
+    return eager, graphed, target.config.hidden_size
+
+
+def test_eagle_head_passes_replay_with_their_features(head_runners):
+    """An EAGLE head's passes after the first (one row per drafting request, fed the features the
+    last pass predicted) run from the feature-fed graphs, padded, and give the eager path's
+    logits, predicted features and KV cache; a pass without features runs eagerly."""
+    eager, graphed, hidden_size = head_runners
+    gen = torch.Generator().manual_seed(0)
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    feeds = [torch.randint(3, 60, (n,), generator=gen).tolist() for n in (5, 7, 2)]
+    starts = [0, 0, 0]
+    for expect_graph in (False, True, True):  # a ragged catch-up pass, then two drafting passes
+        rows = [[len(f) - 1] for f in feeds]
+        features = torch.randn(sum(len(f) for f in feeds), hidden_size, generator=gen).to(DEVICE)
+        batches = [runner.prepare(feeds, starts, tables, rows) for runner in (eager, graphed)]
+        for batch in batches:
+            batch.features = features
+        assert (graphed._graph_for(batches[1]) is not None) == expect_graph
+        expected, expected_hidden = eager.forward_with_hidden(batches[0])
+        got, hidden = graphed.forward_with_hidden(batches[1])
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(hidden, expected_hidden, rtol=1e-4, atol=1e-4)
+        starts = [s + len(f) for s, f in zip(starts, feeds)]
+        feeds = [[int(t)] for t in expected.argmax(dim=-1).tolist()]
+    for a, b in zip(eager.kv_caches, graphed.kv_caches):  # pad rows wrote nothing
+        torch.testing.assert_close(a, b)
+    no_features = graphed.prepare(feeds, starts, tables, [[0]] * 3)
+    assert graphed._graph_for(no_features) is None

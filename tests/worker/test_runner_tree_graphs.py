@@ -15,7 +15,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 import torch
 
 from specdec.kernels.triton import load
-from specdec.layers.attention import TORCH_BACKEND, AttentionBackend
+from specdec.layers.attention import TORCH_BACKEND
 from specdec.models.loader import load_config, load_model
 from specdec.worker.model_runner import ModelRunner
 from specdec.spec_decode.tree import ancestor_mask, depths
@@ -27,8 +27,9 @@ MAX_QUERY_LEN, MAX_TREE_KEYS, MAX_ROWS = 8, 7, 16  # the batch-4 graph holds 16 
 @pytest.fixture(scope="module")
 def runners(llama_path):
     device = torch.device(DEVICE)
-    triton = AttentionBackend("triton", load("kv_cache").write_kv_cache_triton,
-                              load("paged_attention").paged_attention_triton)
+    load("paged_attention")  # the mode check, before the backend imports the kernels
+    from specdec.layers.attention_triton import TRITON_BACKEND as triton
+
     config = load_config(llama_path)
     model = load_model(llama_path, torch.float32, device, triton, config)
     eager = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, device, torch.float32)

@@ -37,6 +37,8 @@ NGRAM_K5 = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min":
 # batch 1, decode tokens/s over the 8 code prompts
 BATCH1_CONFIGS = (
     PeerConfig(SPECDEC, "bf16 plain", "bf16 plain", {"dtype": "auto"}),
+    # what a vLLM user passes: must get the machine's fastest bf16 path, held against llama.cpp's bf16
+    PeerConfig(SPECDEC, 'dtype="bfloat16" plain', None, {"dtype": "bfloat16"}),
     PeerConfig(SPECDEC, "bf16 + bf16 draft K=5", "bf16 draft K=5", {"speculative_config": _draft()}, speculative=True),
     PeerConfig(SPECDEC, "bf16 + int8 draft K=5", None, {"speculative_config": _draft(quantization="int8")},
                speculative=True),
@@ -96,6 +98,8 @@ BATCH1_CONFIGS = (
                "gguf:q4_k_m", speculative=True),
     PeerConfig(LLAMA_CPP, "Q4_K_M plain (llama-bench tg128)", None, {"gguf": "q4_k_m", "tool": "llama-bench"},
                "gguf:q4_k_m"),
+    PeerConfig(LLAMA_CPP, "bf16 plain (llama-bench tg128)", None, {"gguf": "bf16", "tool": "llama-bench"},
+               "gguf:bf16"),
 )
 
 # one batch of 32 prompts, total output tokens/s (prefill included)

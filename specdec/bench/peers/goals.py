@@ -62,6 +62,11 @@ def _batch1_goals(rows: list[dict]) -> list[dict]:
         peer = find(rows, engine, name)
         goals.append(_goal(f"specdec bf16 plain >= {engine} {name}", paired_ratio(plain, peer), 1.0,
                            f"{'specdec' if plain is None else engine} {name} did not run"))
+    asked = find(rows, SPECDEC, 'dtype="bfloat16" plain')
+    for name in ("bf16 plain", "bf16 plain (llama-bench tg128)"):
+        peer = find(rows, LLAMA_CPP, name)
+        if asked is not None and peer is not None:
+            goals.append(_goal(f'specdec dtype="bfloat16" plain >= llama.cpp {name}', paired_ratio(asked, peer), 1.0))
     ours, theirs = find(rows, SPECDEC, "bf16 + bf16 draft K=5"), find(rows, VLLM, "bf16 + bf16 draft K=5")
     goals.append(_goal("specdec bf16 + bf16 draft K=5 >= 1.2x vLLM same config", paired_ratio(ours, theirs), 1.2,
                        "one of the two did not run"))

@@ -23,6 +23,12 @@ from pathlib import Path
 from specdec.bench.peers.configs import PeerConfig
 
 SERVER, BENCH, QUANTIZE = "llama-server", "llama-bench", "llama-quantize"
+# llama-server flags every configuration gets. A GGML_NATIVE build on an AMX CPU puts the quantized
+# weights in ggml's AMX buffer type, whose tile matmul (prompt processing: more than one row) faults in
+# ldtilecfg (general protection, the server dies with -11) on some AMX virtual machines; --no-repack keeps
+# the weights in the plain CPU buffer. One-row decoding never reaches the tiles, so llama-bench's decode
+# row keeps the default and stands beside it as the cross-check.
+SERVER_ARGS = ("--no-repack",)
 
 
 def peers_dir() -> Path:
@@ -112,7 +118,7 @@ def converted_gguf(model_dir: str, kind: str, bin_dir: Path | None, log) -> tupl
 def server_command(bin_dir: Path, config: PeerConfig, ggufs: dict, port: int, threads: int, ctx: int) -> list[str]:
     opts = config.options
     cmd = [str(bin_dir / SERVER), "-m", str(ggufs[opts["gguf"]]), "-t", str(threads), "-tb", str(threads),
-           "-c", str(ctx), "-np", "1", "-ngl", "0", "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+           "-c", str(ctx), "-np", "1", "-ngl", "0", "--host", "127.0.0.1", "--port", str(port), "--no-webui", *SERVER_ARGS]
     if opts.get("draft_gguf"):
         cmd += ["-md", str(ggufs["draft_" + opts["draft_gguf"]]), "-td", str(threads), "-tbd", str(threads)]
     return cmd + list(opts.get("server_args", []))

@@ -88,7 +88,6 @@ def catch_launch(kernel, call: Callable[[], object]) -> tuple[dict, dict, dict]:
 def launches() -> list[tuple[str, object, Callable[[], object]]]:
     """(label, kernel, call) for the specialisations the engine uses."""
     from specdec.kernels.triton import kv_cache, paged_attention, rejection_sampler, top_k_top_p
-    from specdec.layers.attention import AttentionMetadata
 
     def attention(q_lens, seq_lens, group, head_dim, dtype, splits, tree: bool = False):
         num_kv_heads, block_size = 2, 16
@@ -96,14 +95,18 @@ def launches() -> list[tuple[str, object, Callable[[], object]]]:
         qsl = [0]
         for n in q_lens:
             qsl.append(qsl[-1] + n)
-        # a tree request: its rows after the first are nodes from base = seq_len - q_len + 1 on
-        trees = [(s - q + 1, torch.ones(q, q - 1, dtype=torch.bool)) for q, s in zip(q_lens, seq_lens)] if tree else None
-        meta = AttentionMetadata(
-            torch.tensor(qsl), torch.tensor(seq_lens), torch.zeros(len(q_lens), max_blocks, dtype=torch.int64),
-            torch.zeros(qsl[-1], dtype=torch.int64), qsl, seq_lens, block_size, trees)
+        # a tree request's nodes start at base = seq_len - q_len + 1; the bits' values do not matter here
+        tree_args = {}
+        if tree:
+            words = max(1, -(-(max(q_lens) - 1 + 31) // 32))  # as tree_mask.num_words_for(the widest mask)
+            tree_args = {"tree_base": torch.tensor([s - q + 1 for q, s in zip(q_lens, seq_lens)]),
+                         "tree_bits": torch.zeros(qsl[-1], words, dtype=torch.int32)}
+        tables = torch.zeros(len(q_lens), max_blocks, dtype=torch.int64)
         query = torch.zeros(qsl[-1], num_kv_heads * group, head_dim, dtype=dtype)
         cache = torch.zeros(2, max_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
-        return lambda: paged_attention.paged_attention_triton(query, cache, meta, 0.1, num_kv_splits=splits)
+        return lambda: paged_attention.paged_attention_triton(
+            query, cache, tables, torch.tensor(seq_lens), torch.tensor(qsl), 0.1, query_start_loc_cpu=qsl,
+            seq_lens_cpu=list(seq_lens), num_kv_splits=splits, **tree_args)
 
     def write_kv(dtype):
         key = torch.zeros(4, 8, 128, dtype=dtype)

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from specdec.worker.device import is_rocm, warp_size
+from specdec.kernels.hardware import is_rocm, warp_size
 
 
 @functools.cache

@@ -26,6 +26,9 @@ before pos - window (a row's pos is its slot, or base - 1 + depth for a tree nod
 counted from its mask bits) and starts the key loop at the tile's first visible key, so a
 sliding layer reads only its window; ``HAS_SINKS`` adds each head's sink logit to the softmax
 denominator (in the merge kernel when the keys are split); ``SOFTCAP`` > 0 soft-caps the scores.
+
+``paged_attention_triton`` takes tensors and host lists; the attention backend
+(``specdec.layers.attention_triton``) passes them from the step's ``AttentionMetadata``.
 """
 from __future__ import annotations
 
@@ -35,7 +38,6 @@ import triton.language as tl
 
 from specdec.kernels.triton import interpreting
 from specdec.kernels.triton.config import launch_options, next_power_of_2, num_compute_units
-from specdec.layers.attention import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: keeps exp2(m_old - m_new) finite
@@ -259,34 +261,43 @@ def tile_sizes(max_query_len: int, group: int, head_dim: int, tree: bool = False
 def paged_attention_triton(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    meta: AttentionMetadata,
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int64
+    seq_lens: torch.Tensor,  # [num_reqs] int64, context length after this step's tokens
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int64
     scale: float,
     *,
-    num_kv_splits: int | None = None,  # None: chosen from meta's host copies; fix it for CUDA graphs
+    query_start_loc_cpu: list[int],  # host copies: tile counts and the split choice need no device sync
+    seq_lens_cpu: list[int],
+    tree_base: torch.Tensor | None = None,  # [num_reqs] int64 (``specdec.layers.tree_mask.PackedTreeMask``)
+    tree_bits: torch.Tensor | None = None,  # [num_tokens, num_words] int32; both or neither
+    num_kv_splits: int | None = None,  # None: chosen from the host copies; fix it for CUDA graphs
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads]
     softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows past query_start_loc[-1] are not written
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[3]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if num_heads % num_kv_heads or kv_cache.shape[4] != head_dim:
         raise ValueError(f"query heads/dim {tuple(query.shape[1:])} do not fit kv_cache {tuple(kv_cache.shape)}")
     if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("paged_attention_triton needs the head_dim axis of query and kv_cache contiguous")
+    if (tree_base is None) != (tree_bits is None):
+        raise ValueError("paged_attention_triton takes tree_base and tree_bits together")
     group = num_heads // num_kv_heads
-    num_reqs = meta.num_reqs
+    num_reqs = len(seq_lens_cpu)
     if out is None:
         out = torch.empty_like(query)
     if num_tokens == 0 or num_reqs == 0:
         return out
-    tree = meta.packed_tree()
-    block_m, block_q, block_n = tile_sizes(meta.max_query_len, group, head_dim, tree is not None)
+    qsl = query_start_loc_cpu
+    tree = tree_bits is not None
+    max_query_len = max(qsl[i + 1] - qsl[i] for i in range(num_reqs))
+    block_m, block_q, block_n = tile_sizes(max_query_len, group, head_dim, tree)
     grid_tiles = num_tokens // block_q + num_reqs  # upper bound, no host sync
     if num_kv_splits is None:
-        qsl = meta.query_start_loc_cpu
         num_tiles = sum(triton.cdiv(qsl[i + 1] - qsl[i], block_q) for i in range(num_reqs))
-        keys = max(meta.seq_lens_cpu) if sliding_window is None else min(max(meta.seq_lens_cpu), sliding_window)
+        keys = max(seq_lens_cpu) if sliding_window is None else min(max(seq_lens_cpu), sliding_window)
         num_kv_splits = choose_num_kv_splits(num_tiles, num_kv_heads, keys, block_n, query.device)
     head_dim_pad = next_power_of_2(max(16, head_dim))
     if num_kv_splits > 1:
@@ -295,28 +306,28 @@ def paged_attention_triton(
         partial_lse = torch.empty(num_tokens, num_heads, num_kv_splits, dtype=torch.float32, device=query.device)
     else:
         partial_out = partial_lse = out  # unused
-    if tree is None:  # pointers the kernel never reads
-        tree_base, tree_bits, stride_tree, num_tree_words = meta.seq_lens, meta.seq_lens, 0, 0
+    if not tree:  # pointers the kernel never reads
+        tree_base, tree_bits, stride_tree, num_tree_words = seq_lens, seq_lens, 0, 0
     else:
-        tree_base, tree_bits, stride_tree, num_tree_words = tree.base, tree.bits, tree.bits.stride(0), tree.bits.shape[1]
+        stride_tree, num_tree_words = tree_bits.stride(0), tree_bits.shape[1]
     upcast = DEFINED_FOR_INTERPRETER  # the interpreter cannot do bf16 arithmetic or bf16 tl.dot
-    sinks_arg = meta.seq_lens if sinks is None else sinks.float().contiguous()  # never read without sinks
+    sinks_arg = seq_lens if sinks is None else sinks.float().contiguous()  # never read without sinks
     _paged_attention_kernel[(grid_tiles, num_kv_heads, num_kv_splits)](
-        out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        out, query, kv_cache, block_tables, seq_lens, query_start_loc,
         partial_out, partial_lse, tree_base, tree_bits, sinks_arg,
         scale * _LOG2E, num_reqs, num_heads, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
-        stride_tree, num_tree_words, HAS_TREE=tree is not None, TREE_WORDS=block_n // 32,
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+        stride_tree, num_tree_words, HAS_TREE=tree, TREE_WORDS=block_n // 32,
         HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, SOFTCAP=float(softcap or 0.0),
-        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=meta.block_size,
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         UPCAST=upcast, IEEE_FP32_DOT=query.dtype == torch.float32,
         **launch_options(query.device, threads=max(128, block_m * block_n // 32)),
     )
     if num_kv_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            out, partial_out, partial_lse, meta.query_start_loc, sinks_arg, num_reqs, num_heads,
+            out, partial_out, partial_lse, query_start_loc, sinks_arg, num_reqs, num_heads,
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_kv_splits,
             SPLITS_PAD=next_power_of_2(num_kv_splits), HAS_SINKS=sinks is not None,

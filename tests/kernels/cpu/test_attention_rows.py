@@ -1,9 +1,9 @@
-"""The row-consistent CPU attention (specdec.kernels.cpu.attention_rows) against the per-request SDPA
+"""The row-consistent CPU attention (specdec.layers.attention_rows) against the per-request SDPA
 reference, and bit for bit against itself: a row's output does not depend on the rest of the call."""
 import pytest
 import torch
 
-from specdec.kernels.cpu import attention_rows
+from specdec.layers import attention_rows
 from specdec.layers.attention import AttentionMetadata, paged_attention_reference
 
 needs_kernel = pytest.mark.skipif(attention_rows.extension() is None, reason="no AVX-512 or AVX2 kernel here")

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
+from specdec.kernels.hardware import warp_size
 from specdec.kernels.triton import config
-from specdec.worker.device import kv_cache_bytes_from_gpu_utilization, warp_size
+from specdec.worker.device import kv_cache_bytes_from_gpu_utilization
 
 GIB = 1 << 30
 

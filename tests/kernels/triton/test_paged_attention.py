@@ -19,6 +19,7 @@ from specdec.kernels.triton import load
 from specdec.layers.attention import AttentionMetadata, paged_attention_reference, write_kv_cache
 
 paged_attention = load("paged_attention")
+from specdec.layers.attention_triton import attend_triton  # noqa: E402 (after the mode is checked)
 kv_cache_kernels = load("kv_cache")
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -71,7 +72,7 @@ def assert_matches_reference(query, kv_cache, meta, **kwargs):
     ref_options = {k: v.cpu() if torch.is_tensor(v) else v for k, v in options.items()}
     expected = paged_attention_reference(query.float().cpu(), kv_cache.float().cpu(), _cpu(meta), scale,
                                          **ref_options)
-    out = paged_attention.paged_attention_triton(query, kv_cache, meta, scale, **kwargs)
+    out = attend_triton(query, kv_cache, meta, scale, **kwargs)
     assert out.shape == query.shape and out.dtype == query.dtype
     rows = meta.query_start_loc_cpu[-1]
     tol = TOLERANCE[query.dtype]
@@ -137,7 +138,7 @@ def test_the_tree_mask_changes_the_kernel_output():
     kernel cannot pass the tree tests by ignoring the mask."""
     query, kv_cache, meta = tree_batch([("tree", 1, 12)], group=2, seed=3)
     scale = query.shape[-1] ** -0.5
-    tree_out = paged_attention.paged_attention_triton(query, kv_cache, meta, scale, num_kv_splits=1)
+    tree_out = attend_triton(query, kv_cache, meta, scale, num_kv_splits=1)
     meta_causal = _cpu(meta)
     meta_causal.tree_masks = None
     causal = paged_attention_reference(query.cpu(), kv_cache.cpu(), meta_causal, scale)
@@ -163,8 +164,8 @@ def test_options_in_mixed_batches_and_trees_match_the_reference(options, num_kv_
     assert_matches_reference(query, kv_cache, meta, num_kv_splits=num_kv_splits, **opts)
     if options == "window":  # negative control: the window changes rows with longer contexts
         scale = query.shape[-1] ** -0.5
-        full = paged_attention.paged_attention_triton(query, kv_cache, meta, scale, num_kv_splits=num_kv_splits)
-        cut = paged_attention.paged_attention_triton(query, kv_cache, meta, scale, num_kv_splits=num_kv_splits, **opts)
+        full = attend_triton(query, kv_cache, meta, scale, num_kv_splits=num_kv_splits)
+        cut = attend_triton(query, kv_cache, meta, scale, num_kv_splits=num_kv_splits, **opts)
         assert (full - cut).abs().max() > 1e-2
 
 
@@ -223,7 +224,7 @@ def test_empty_requests_and_padding_rows_are_tolerated():
                                        dtype=torch.float32, seed=7)
     padded = torch.cat([query, torch.zeros(3, *query.shape[1:], device=DEVICE)])
     for splits in (1, 2):
-        out = paged_attention.paged_attention_triton(padded, kv_cache, meta, 0.125, num_kv_splits=splits)
+        out = attend_triton(padded, kv_cache, meta, 0.125, num_kv_splits=splits)
         expected = paged_attention_reference(query.cpu(), kv_cache.cpu(), _cpu(meta), 0.125)
         torch.testing.assert_close(out[:3].cpu(), expected, atol=2e-5, rtol=2e-5)
 

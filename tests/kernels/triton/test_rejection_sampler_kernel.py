@@ -23,6 +23,7 @@ from specdec.sampling_params import SamplingParams
 from specdec.spec_decode.rejection_sampler import rejection_sample
 
 kernels = load("rejection_sampler")
+from specdec.spec_decode.rejection_sampler_triton import rejection_sample_triton  # noqa: E402 (after the mode is checked)
 
 ALPHA = 1e-3  # significance level of the statistical assertion below
 
@@ -53,7 +54,7 @@ def run_both(params, num_draft_tokens, target_logits, draft_token_ids, draft_pro
     """Call reference and kernel with identical generator states (both on DEVICE, since CPU
     and CUDA generators give different streams); return both results."""
     results = []
-    for fn, device in ((rejection_sample, DEVICE), (kernels.rejection_sample_triton, DEVICE)):
+    for fn, device in ((rejection_sample, DEVICE), (rejection_sample_triton, DEVICE)):
         generators = [None if s is None else torch.Generator(device=device).manual_seed(s) for s in seeds]
         meta = SamplingMetadata.from_params(params, generators, device)
         torch.manual_seed(global_seed)

@@ -2,7 +2,7 @@
 // its own: the same instruction sequence over the keys it may see, in key order, whatever the
 // other rows of the call, the padding of the batch or the number of keys it may not see. So a
 // token's row is the same number in a one-row decode step, in row j of a K+1-row verification and
-// next to any other requests (``specdec.layers.attention.ROWS_BACKEND``).
+// next to any other requests (``specdec.layers.attention_rows.ROWS_BACKEND``).
 //
 // Per (row, head): s_n = (q * scale) . k_n (D / kW FMAs in one chain, then a fixed horizontal sum)
 // for each visible key n; m = max s_n; p_n = exp(s_n - m) (a polynomial exp, the same
