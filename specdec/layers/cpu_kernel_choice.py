@@ -152,13 +152,14 @@ def cpu_kernel_choices() -> dict[str, str]:
         pairs = "float32 kernel on bf16 weights" if woq_cpu.available() else "F.linear"
     onednn = "oneDNN packed" + (" (AMX)" if amx_cpu.cpu_has_amx() else "")
     faster = _can_pack(torch.bfloat16, torch.device("cpu")) and bf16_kernel_faster()
+    widened = f"bf16 weights, float32 activations: {pairs}"
     if cpu_supports_bf16():
-        choices['dtype="auto", no quantization'] = (f"bf16 weights, float32 activations: {pairs}" if faster
-                                                    else f"bfloat16 model: {onednn}")
+        choices['dtype="auto", no quantization'] = widened if faster else f"bfloat16 model: {onednn}"
     else:
         choices['dtype="auto", no quantization'] = f"float32 model, bf16-exact weights kept in bf16: {pairs}"
     if _can_pack(torch.bfloat16, torch.device("cpu")):
-        choices['dtype="bfloat16"'] = f"bfloat16 model: {pairs if faster else onednn}"
+        # dtype="bfloat16" widens as "auto" does wherever the bf16-weight kernel is the faster linear
+        choices['dtype="bfloat16"'] = widened if faster and cpu_supports_bf16() else f"bfloat16 model: {onednn}"
     choices["attention"] = "rows kernel (float32 and w8a8/w4a8), torch SDPA (bfloat16)" if _rows_kernel() \
         else "torch SDPA"
     return choices

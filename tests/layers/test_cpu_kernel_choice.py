@@ -60,7 +60,7 @@ def test_the_report_names_the_kernel_each_format_runs_from_the_measured_choices(
     monkeypatch.setattr(quantization, "bf16_kernel_faster", lambda: True)
     choices = cpu_kernel_choice.cpu_kernel_choices()
     assert choices["w4a8"].endswith("AMX tiles from 16 rows") and "AMX tiles from" not in choices["w8a8"]
-    assert choices['dtype="bfloat16"'] == "bfloat16 model: AMX tiles (pair layout)"
+    assert choices['dtype="bfloat16"'] == "bf16 weights, float32 activations: AMX tiles (pair layout)"
     assert choices['dtype="auto", no quantization'] == "bf16 weights, float32 activations: AMX tiles (pair layout)"
     monkeypatch.setattr(cpu_kernel_choice, "bf16_amx_faster", lambda: False)
     monkeypatch.setattr(quantization, "bf16_kernel_faster", lambda: False)
