@@ -36,6 +36,27 @@ class Routing:
     expert_ids: torch.Tensor  # [T, top_k] int64
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, E] router logits whose every row is the same however many rows the step has. A float32
+    CPU matmul is not: one row alone and the same row among 16 differ in the last bits (different
+    BLAS paths), and a top-k choice near a tie then routes a verification row to other experts than
+    the single-row decode of the same token. On CPU the logits are computed in float64 and rounded
+    to float32, where the paths' float64 differences vanish in the rounding."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    return F.linear(x.double(), _float64(weight), None if bias is None else _float64(bias)).float()
+
+
+def _float64(t: torch.Tensor) -> torch.Tensor:
+    """A float64 copy of a router tensor, made once and kept on the tensor (a router weight is E x H,
+    small next to one expert); remade if the tensor is written in place."""
+    cached = getattr(t, "_specdec_float64", None)
+    if cached is None or cached[0] != t._version:
+        cached = (t._version, t.detach().double())
+        t._specdec_float64 = cached
+    return cached[1]
+
+
 class TopKRouter(nn.Module):
     """Router logits ``x W^T (+ b)`` -> top-k experts and their weights.
 
@@ -54,7 +75,7 @@ class TopKRouter(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
     def forward(self, x: torch.Tensor) -> Routing:
-        logits = F.linear(x, self.weight, self.bias)  # [T, E]
+        logits = router_logits(x, self.weight, self.bias)  # [T, E]
         if self.softmax_first:
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
             weights, ids = torch.topk(probs, self.top_k, dim=-1)

@@ -34,7 +34,7 @@ from specdec.layers.attention import REFERENCE_BACKEND, AttentionBackend, Attent
 from specdec.layers.mla import (
     expanded_form_min_rows, latent_cache_shape, mla_attention, mla_attention_expanded, write_latent,
 )
-from specdec.layers.moe import Expert, Routing, SparseMoE
+from specdec.layers.moe import Expert, Routing, SparseMoE, router_logits
 from specdec.layers.norm import RMSNorm
 from specdec.layers.rotary import _yarn_factor, _yarn_mscale, rotate
 from specdec.models.llama import DecoderLayer, LlamaForCausalLM, _cfg, _copy_checked, _rope_params
@@ -135,7 +135,7 @@ class DeepseekRouter(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> Routing:
-        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
+        scores = router_logits(x.float(), self.weight).sigmoid()  # [T, E]
         biased = scores + self.e_score_correction_bias  # for the choice only
         if self.num_groups > 1:  # a group's score: the sum of its two best biased scores
             grouped = biased.view(-1, self.num_groups, self.num_experts // self.num_groups)
