@@ -17,6 +17,8 @@ router changes which experts run.
 ``reference_moe`` is the pure-torch reference: every (row, choice) pair computed on its own.
 On GPUs ``fuse_experts`` swaps float SwiGLU layers for ``FusedMoE`` (the Triton kernel in
 ``kernels.triton.fused_moe``, same grouping, two launches per layer).
+On CPU, int8-activation experts (w4a8 / w8a8) become ``moe_a8.A8FusedMoE``: the same grouping,
+products and sums in one C++ call per layer.
 """
 from __future__ import annotations
 
@@ -36,25 +38,38 @@ class Routing:
     expert_ids: torch.Tensor  # [T, top_k] int64
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  owner: nn.Module | None = None) -> torch.Tensor:
     """[T, E] router logits whose every row is the same however many rows the step has. A float32
     CPU matmul is not: one row alone and the same row among 16 differ in the last bits (different
     BLAS paths), and a top-k choice near a tie then routes a verification row to other experts than
     the single-row decode of the same token. On CPU the logits are computed in float64 and rounded
-    to float32, where the paths' float64 differences vanish in the rounding."""
+    to float32, where the paths' float64 differences vanish in the rounding. ``owner``: the router
+    module that keeps the float64 copies of ``weight`` and ``bias`` (``float64_copy``); without one
+    they are made per call."""
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
-    return F.linear(x.double(), _float64(weight), None if bias is None else _float64(bias)).float()
+    if owner is None:
+        return F.linear(x.double(), weight.double(), None if bias is None else bias.double()).float()
+    bias64 = None if bias is None else float64_copy(owner, "bias", bias)
+    return F.linear(x.double(), float64_copy(owner, "weight", weight), bias64).float()
 
 
-def _float64(t: torch.Tensor) -> torch.Tensor:
-    """A float64 copy of a router tensor, made once and kept on the tensor (a router weight is E x H,
-    small next to one expert); remade if the tensor is written in place."""
-    cached = getattr(t, "_specdec_float64", None)
-    if cached is None or cached[0] != t._version:
-        cached = (t._version, t.detach().double())
-        t._specdec_float64 = cached
-    return cached[1]
+def float64_copy(owner: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A float64 copy of ``owner``'s router tensor ``name`` (a router weight is E x H, small next to one
+    expert), kept as ``owner``'s non-persistent buffer ``<name>_float64`` and made again when the tensor is
+    written in place or replaced (its version or storage changed) or the buffer was cast."""
+    key = f"{name}_float64"
+    stamp = (tensor.data_ptr(), tensor._version)
+    cached = owner._buffers.get(key)
+    if cached is None or cached.dtype != torch.float64 or owner.__dict__.get(f"_{key}_stamp") != stamp:
+        cached = tensor.detach().double()
+        if key in owner._buffers:
+            owner._buffers[key] = cached
+        else:
+            owner.register_buffer(key, cached, persistent=False)
+        owner.__dict__[f"_{key}_stamp"] = stamp
+    return cached
 
 
 class TopKRouter(nn.Module):
@@ -75,7 +90,7 @@ class TopKRouter(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
     def forward(self, x: torch.Tensor) -> Routing:
-        logits = router_logits(x, self.weight, self.bias)  # [T, E]
+        logits = router_logits(x, self.weight, self.bias, owner=self)  # [T, E]
         if self.softmax_first:
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
             weights, ids = torch.topk(probs, self.top_k, dim=-1)
@@ -225,8 +240,11 @@ class SparseMoE(nn.Module):
         return grouped_experts(x, self.gate(x), self.experts, self.stats)
 
 
-def moe_layers(model: nn.Module) -> list[SparseMoE | FusedMoE]:
-    return [m for m in model.modules() if isinstance(m, (SparseMoE, FusedMoE))]
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """``model``'s MoE layers (``SparseMoE``, ``FusedMoE``, ``moe_a8.A8FusedMoE``): each has ``stats``."""
+    from specdec.layers.moe_a8 import A8FusedMoE
+
+    return [m for m in model.modules() if isinstance(m, (SparseMoE, FusedMoE, A8FusedMoE))]
 
 
 def experts_read(model: nn.Module) -> int:

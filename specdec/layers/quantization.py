@@ -411,6 +411,10 @@ def prepare_for_inference(model: nn.Module, quantization: str | None, device: to
         _replace_linears(model, QUANTIZATIONS[quantization], _LM_HEAD_QUANTIZATION.get(quantization))
         if quantization in ("w8a8", "w4a8"):
             _with_int8_activations(model)
+            if device.type == "cpu":  # mixture-of-experts layers: one C++ call per layer
+                from specdec.layers.moe_a8 import fuse_a8_experts
+
+                fuse_a8_experts(model)
     elif quantization is not None:
         raise ValueError(f"quantization must be None or one of {sorted(QUANTIZATIONS)}, got {quantization!r}")
     elif bf16_weights and dtype in (torch.float32, torch.bfloat16) and device.type == "cpu" and woq_cpu.available():

@@ -135,7 +135,7 @@ class DeepseekRouter(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> Routing:
-        scores = router_logits(x.float(), self.weight).sigmoid()  # [T, E]
+        scores = router_logits(x.float(), self.weight, owner=self).sigmoid()  # [T, E]
         biased = scores + self.e_score_correction_bias  # for the choice only
         if self.num_groups > 1:  # a group's score: the sum of its two best biased scores
             grouped = biased.view(-1, self.num_groups, self.num_experts // self.num_groups)

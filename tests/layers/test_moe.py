@@ -189,3 +189,20 @@ def test_router_logits_of_a_row_do_not_depend_on_the_rows_beside_it():
         assert torch.equal(router_logits(x[:m], weight, bias), full[:m])
     weight.mul_(2.0)  # written in place: the float64 copy follows
     assert torch.equal(router_logits(x, weight, bias), torch.nn.functional.linear(x.double(), weight.double(), bias.double()).float())
+
+
+def test_the_router_keeps_its_float64_weight_and_remakes_it_when_the_weight_changes():
+    router = random_moe(top_k=2, bias=True).gate
+    x = torch.randn(4, H)
+    first = router(x)
+    cached = router.weight_float64
+    assert cached.dtype == torch.float64 and torch.equal(cached, router.weight.double())
+    assert torch.equal(router(x).expert_ids, first.expert_ids) and router.weight_float64 is cached  # kept
+    with torch.no_grad():
+        router.weight.mul_(-1.0)  # written in place: the copy follows
+    assert torch.equal(router.weight_float64, cached) and not torch.equal(router(x).expert_ids, first.expert_ids)
+    assert torch.equal(router.weight_float64, router.weight.double())
+    router.weight_float64 = router.weight_float64.float()  # a cast of the model's buffers: made again
+    router(x)
+    assert router.weight_float64.dtype == torch.float64
+    assert "weight_float64" not in router.state_dict() and "bias_float64" not in router.state_dict()

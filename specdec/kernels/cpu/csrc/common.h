@@ -5,11 +5,14 @@
 //                       them compile for either
 //   exp_ps(x)           exp, x clamped to [-87, 88]: the same instructions for every element
 //   rotate_half(...)    one head's rotate-half rotary
+//   silu_mul_row(...)   silu(gate) * up over one row
 //   add_bias(y, bias)   y [M, N] += bias [N], row by row
 //   prefetch_stream(...) a weight tile's rows read as one sequential stream, prefetched ahead
 #pragma once
 
 #include <torch/extension.h>
+
+#include <cmath>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -122,6 +125,22 @@ inline void rotate_half(const float* x, const float* c, const float* s, float* o
     o[i] = x[i] * c[i] - x[half + i] * s[i];
     o[half + i] = x[half + i] * c[i] + x[i] * s[i];
   }
+}
+
+// o[i] = silu(g[i]) * u[i]; the same per-element arithmetic whatever n or the element's place
+// (cpu_ops' silu_mul and the MoE kernel's activation, which must agree bit for bit)
+inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  auto silu_mul = [](vf gv, vf uv) { return vmul(vdiv(gv, vadd(vset1(1.0f), exp_ps(vsub(vzero(), gv)))), uv); };
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) vstore(o + i, silu_mul(vload(g + i), vload(u + i)));
+  if (i < n) {
+    const vmask m = vtail(n - i);
+    vstore_mask(m, o + i, silu_mul(vload_mask(m, g + i), vload_mask(m, u + i)));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+#endif
 }
 
 #if defined(__AVX512F__) || defined(__AVX2__)

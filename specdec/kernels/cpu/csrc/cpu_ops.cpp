@@ -29,22 +29,6 @@ inline float row_inv_rms(const float* v, int64_t n, float eps) {
   return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
 }
 
-// o[i] = silu(g[i]) * u[i]; the same per-element arithmetic whatever n or the element's place
-void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
-#if defined(__AVX512F__) || defined(__AVX2__)
-  using namespace specdec_cpu_common;
-  auto silu_mul = [](vf gv, vf uv) { return vmul(vdiv(gv, vadd(vset1(1.0f), exp_ps(vsub(vzero(), gv)))), uv); };
-  int64_t i = 0;
-  for (; i + kW <= n; i += kW) vstore(o + i, silu_mul(vload(g + i), vload(u + i)));
-  if (i < n) {
-    const vmask m = vtail(n - i);
-    vstore_mask(m, o + i, silu_mul(vload_mask(m, g + i), vload_mask(m, u + i)));
-  }
-#else
-  for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-#endif
-}
-
 }  // namespace
 
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
@@ -129,7 +113,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
   at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = xp + r * 2 * n;
-      silu_mul_row(g, g + n, op + r * n, n);
+      specdec_cpu_common::silu_mul_row(g, g + n, op + r * n, n);
     }
   });
   auto sizes = x.sizes().vec();
