@@ -204,6 +204,8 @@ void configure_a8(int rows, int E) {
     cfg.rows[4 + t] = static_cast<uint8_t>(E / 4);
     cfg.colsb[4 + t] = 64;
   }
+  // gcc's _tile_loadconfig declares an 8-byte read: without this the stores above are dead to it
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
