@@ -89,7 +89,7 @@ def fused(kind: str, **kw) -> tuple[A8FusedMoE, nn.ModuleDict]:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 40])
+@pytest.mark.parametrize("rows", [1, 8, 40])
 def test_fused_layer_equals_the_expert_by_expert_layer_bitwise(kind, rows):
     x = torch.randn(rows, H, generator=torch.Generator().manual_seed(rows)) * 2
     before = a8_moe(kind)["mlp"]
