@@ -11,8 +11,8 @@ A group that also holds a draft model's layers (``holds_draft``) frees behind th
 instead: the draft catches up on every token it has not seen the next time it drafts, reading the
 window of each, so what it may still read starts at ``min(num_computed_tokens, draft mark)``, the
 mark being the request's ``num_computed_tokens`` when the draft last caught up (``mark_draft_caught_up``;
-0 until then, and after a preemption). A prefix hit there needs every block (the draft starts over
-from the first token).
+0 until then, and after a preemption; a request with ``use_speculation`` off is never drafted for).
+A prefix hit there needs every block (the draft starts over from the first token).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class GroupBlockTable:
 
     def _still_read_from(self, request: Request) -> int:
         """The first position a query of the request (the target's, or the draft's catch-up) can be at."""
-        if not self.holds_draft:
+        if not self.holds_draft or not request.sampling_params.use_speculation:  # the latter: never drafted for
             return request.num_computed_tokens
         return min(request.num_computed_tokens, self.req_draft_mark.get(request.request_id, 0))
 
