@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 from specdec import LLM, SamplingParams
 from specdec.worker.setup import _enable_graphs
 
-WINDOW, BS, NUM_NEW = 8, 4, 24
+WINDOW, BS, NUM_NEW = 8, 4, 12
 # prefill chunks of 16 tokens; a fixed KV cache (two engines share a GPU)
 ENGINE = dict(dtype="float32", device=DEVICE, max_model_len=96, block_size=BS, max_num_batched_tokens=16,
               spec_cost_calibration=False, kv_cache_memory=16 << 20)
@@ -37,7 +37,7 @@ def chosen(gemma3, prompts):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gemma3[0])
-    encoded = [tokenizer.encode(p) for p in prompts[:3]]
+    encoded = [tokenizer.encode(p) for p in sorted(prompts, key=len)[-2:]]
     assert min(len(p) for p in encoded) > WINDOW + BS  # blocks fall behind the window during the prompt
     return encoded
 
