@@ -58,7 +58,8 @@ class KVLayout:
 
     def describe(self) -> str:
         return ", ".join(f"{g.num_blocks} blocks for {len(g.layers)} {_name(g)} layers"
-                         + (f" and {len(g.draft_layers)} of the draft's" if g.draft_layers else "") for g in self.groups)
+                         + (f" and {len(g.draft_layers)} of the draft's" if g.draft_layers else "")
+                         for g in self.groups)
 
     def layer_groups(self, num_layers: int) -> list[int]:
         """The group index of each target layer."""

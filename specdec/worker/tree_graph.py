@@ -47,7 +47,8 @@ class TreeGraph:
         self.max_blocks = max_blocks_per_seq
         self.group_windows = list(group_windows)
         self.runner = GraphRunner(self._forward, self._static_inputs, batch_sizes, device,
-                                  pad_values={"slot_mapping": -1, "seq_lens": 1, **group_pad_values(self.group_windows)},
+                                  pad_values={"slot_mapping": -1, "seq_lens": 1,
+                                              **group_pad_values(self.group_windows)},
                                   use_graphs=use_graphs)
         self.runner.capture()
 

@@ -177,7 +177,8 @@ def test_a_sliding_draft_keeps_its_layers_in_the_groups_of_their_windows(family,
     draft_sliding = {"gemma3": (0, 1), "gpt_oss": (0,)}[name]
     draft_full = {"gemma3": (2,), "gpt_oss": (1,)}[name]
     assert [(g.window, g.draft_layers) for g in layout.groups] == [(None, draft_full), (WINDOW, draft_sliding)]
-    target_layer_bytes = layout.groups[1].bytes_per_block // len(layout.groups[1].draft_layers + layout.groups[1].layers)
+    window_group = layout.groups[1]
+    target_layer_bytes = window_group.bytes_per_block // len(window_group.draft_layers + window_group.layers)
     assert [g.bytes_per_block for g in layout.groups] == [
         target_layer_bytes * (len(g.layers) + len(g.draft_layers)) for g in layout.groups]  # a copy: equal layers
     worker = engine.executor.driver_worker

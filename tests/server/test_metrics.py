@@ -17,7 +17,8 @@ def test_kv_gauges_report_every_group():
     got = samples(ServerMetrics("m", lambda: snapshot))
     assert got[("specdec:kv_cache_usage_perc", ())] == 0.25
     assert got[("specdec:kv_cache_total_blocks", ())] == 300 and got[("specdec:kv_cache_free_blocks", ())] == 240
-    for group, (total, free, usage) in {"full_attention": (100, 60, 0.4), "sliding_window_512": (200, 180, 0.1)}.items():
+    expected = {"full_attention": (100, 60, 0.4), "sliding_window_512": (200, 180, 0.1)}
+    for group, (total, free, usage) in expected.items():
         labels = (("kv_cache_group", group),)
         assert got[("specdec:kv_cache_group_total_blocks", labels)] == total
         assert got[("specdec:kv_cache_group_free_blocks", labels)] == free
