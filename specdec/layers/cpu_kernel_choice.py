@@ -112,17 +112,34 @@ def a8_timing_weights(int4: bool) -> list[tuple]:
     return [tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in one) for _ in range(copies)]
 
 
+# the row counts the int8-activation variants are timed at: a decode, verifications of K = 1, 3, 5, 7
+# drafts, a tree's 16 nodes (A8_AMX_ROWS among them); a call of m rows runs the choice of the smallest
+# of them >= m (past the last: the last)
+A8_VARIANT_ROWS = (1, 2, 4, 6, 8, 16)
+
+
 @functools.lru_cache(maxsize=None)
-def a8_amx_times(int4: bool) -> dict[str, dict[int, float]] | None:
-    """Seconds per call of the int8-activation kernel's VNNI and AMX paths (``amx_cpu.extension_a8``) on
-    ``a8_timing_weights``, at ``A8_AMX_ROWS`` rows; None where the AMX path cannot run here."""
-    ops = amx_cpu.extension_a8()
-    if ops is None:
+def a8_times(int4: bool) -> dict[str, dict[int, float]] | None:
+    """Seconds per call of each int8-activation variant that runs here (``woq_a8_variants``, AMX
+    included) on ``a8_timing_weights``, at ``A8_VARIANT_ROWS`` rows; None where only one runs. One
+    timing serves ``a8_amx_min_rows`` and ``a8_measured_plan``: at load, every second counts."""
+    ops = woq_a8_variants.variant_ops(int4)
+    if len(ops) < 2:
         return None
     args = a8_timing_weights(int4)
-    return time_row_kernels({"vnni": lambda i, x: ops.a8_linear(x, *args[i], None),
-                             "amx": lambda i, x: ops.a8_linear_amx(x, *args[i], None)}, 2048, A8_AMX_ROWS,
-                            copies=len(args), dtype=torch.float32)
+    calls = {name: (lambda i, x, op=op: op(x, *args[i], None)) for name, op in ops.items()}
+    return time_row_kernels(calls, 2048, A8_VARIANT_ROWS, passes=2, calls_per_pass=4, copies=len(args),
+                            dtype=torch.float32)
+
+
+def a8_amx_times(int4: bool) -> dict[str, dict[int, float]] | None:
+    """``a8_times`` of the default (VNNI) path and the AMX one at ``A8_AMX_ROWS`` rows, as ``{"vnni": ...,
+    "amx": ...}``; None where the AMX path cannot run here."""
+    times = a8_times(int4)
+    if times is None or woq_a8_variants.AMX not in times:
+        return None
+    vnni, amx = times[woq_a8_variants.default_variant()], times[woq_a8_variants.AMX]
+    return {"vnni": {m: vnni[m] for m in A8_AMX_ROWS}, "amx": {m: amx[m] for m in A8_AMX_ROWS}}
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,11 +150,6 @@ def a8_amx_min_rows(int4: bool) -> int | None:
     result independent of the call's rows."""
     times = a8_amx_times(int4)
     return None if times is None else min_rows_faster(times, "amx", "vnni")
-
-
-# the row counts the int8-activation variants are timed at: a decode, each verification up to K = 7, a
-# tree's 16 nodes; a call of m rows runs the choice of the smallest of them >= m (past the last: the last)
-A8_VARIANT_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 16)
 
 
 def pick_per_rows(seconds: dict[str, dict[int, float]], default: str, margin: float = 0.03) -> dict[int, str]:
@@ -152,24 +164,13 @@ def pick_per_rows(seconds: dict[str, dict[int, float]], default: str, margin: fl
 
 
 @functools.lru_cache(maxsize=None)
-def a8_variant_times(int4: bool) -> dict[str, dict[int, float]] | None:
-    """Seconds per call of each int8-activation variant that runs here (AMX aside: ``a8_amx_times``) on
-    ``a8_timing_weights``, at ``A8_VARIANT_ROWS`` rows; None where only one runs."""
-    ops = woq_a8_variants.variant_ops(int4, amx=False)
-    if len(ops) < 2:
-        return None
-    args = a8_timing_weights(int4)
-    calls = {name: (lambda i, x, op=op: op(x, *args[i], None)) for name, op in ops.items()}
-    return time_row_kernels(calls, 2048, A8_VARIANT_ROWS, passes=3, calls_per_pass=4, copies=len(args),
-                            dtype=torch.float32)
-
-
-@functools.lru_cache(maxsize=None)
 def a8_measured_plan(int4: bool) -> dict[int, str]:
-    """``pick_per_rows`` on ``a8_variant_times`` (the default variant everywhere where only it runs)."""
-    times = a8_variant_times(int4)
+    """``pick_per_rows`` on ``a8_times`` without AMX (the default variant everywhere where it alone runs);
+    AMX has its own rule, ``a8_amx_min_rows``."""
+    times = a8_times(int4)
     default = woq_a8_variants.default_variant()
-    return {m: default for m in A8_VARIANT_ROWS} if times is None else pick_per_rows(times, default)
+    others = {name: t for name, t in (times or {}).items() if name != woq_a8_variants.AMX}
+    return pick_per_rows(others, default) if len(others) > 1 else {m: default for m in A8_VARIANT_ROWS}
 
 
 def a8_variant_plan(int4: bool) -> dict[int, str]:
@@ -226,7 +227,8 @@ def cpu_kernel_choices() -> dict[str, str]:
                 choices[name] = f"{base}: {describe_plan(a8_variant_plan(int4))} ({woq_a8_variants.FORCE_ENV})"
                 continue
             # the measured plan where more than one variant runs here, then AMX's threshold
-            plan = f": {describe_plan(a8_measured_plan(int4))}" if a8_variant_times(int4) is not None else ""
+            measured = len(woq_a8_variants.variant_ops(int4, amx=False)) > 1
+            plan = f": {describe_plan(a8_measured_plan(int4))}" if measured else ""
             rows = a8_amx_min_rows(int4)
             choices[name] = base + plan + (f", AMX tiles from {rows} rows" if rows else
                                            (", AMX measured slower" if amx_cpu.extension_a8() is not None else ""))

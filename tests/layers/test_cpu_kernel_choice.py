@@ -57,14 +57,13 @@ def test_the_report_names_the_kernel_each_format_runs_from_the_measured_choices(
 
     monkeypatch.setattr(cpu_kernel_choice, "a8_amx_min_rows", lambda int4: 16 if int4 else None)
     monkeypatch.delenv(woq_a8_variants.FORCE_ENV, raising=False)
-    monkeypatch.setattr(cpu_kernel_choice, "a8_variant_times", lambda int4: {})  # more than one variant runs
     monkeypatch.setattr(cpu_kernel_choice, "a8_measured_plan",
                         lambda int4: {m: "vnni512" if m < 4 or not int4 else "bf16"
                                       for m in cpu_kernel_choice.A8_VARIANT_ROWS})
     monkeypatch.setattr(cpu_kernel_choice, "bf16_amx_faster", lambda: True)
     monkeypatch.setattr(quantization, "bf16_kernel_faster", lambda: True)
     choices = cpu_kernel_choice.cpu_kernel_choices()
-    assert choices["w4a8"].endswith(": vnni512 at 1-3, bf16 at 4-16 rows, AMX tiles from 16 rows")
+    assert choices["w4a8"].endswith(": vnni512 at 1-2, bf16 at 4-16 rows, AMX tiles from 16 rows")
     assert choices["w8a8"].endswith(": vnni512 at 1-16 rows") or choices["w8a8"].endswith("AMX measured slower")
     assert "AMX tiles from" not in choices["w8a8"]
     assert choices['dtype="bfloat16"'] == "bf16 weights, float32 activations: AMX tiles (pair layout)"
@@ -97,28 +96,29 @@ def fake_a8_variants(monkeypatch):
         return op
 
     ops = {"vnni512": fake(lambda m: 1.0 + m), "vnni256": fake(lambda m: 4.0)}
-    monkeypatch.setattr(woq_a8_variants, "variant_ops", lambda int4, amx=True: dict(ops))
+    monkeypatch.setattr(woq_a8_variants, "variant_ops",
+                        lambda int4, amx=True: {name: op for name, op in ops.items() if amx or name != "amx"})
     monkeypatch.setattr(woq_a8_variants, "default_variant", lambda: "vnni512")
     monkeypatch.setattr(cpu_kernel_choice, "a8_timing_weights", lambda int4: [(), ()])
     monkeypatch.setattr(cpu_kernel_choice, "a8_amx_min_rows", lambda int4: None)
     monkeypatch.setattr(cpu_kernel_choice.time, "perf_counter", lambda: clock[0])
     monkeypatch.delenv(woq_a8_variants.FORCE_ENV, raising=False)
-    cpu_kernel_choice.a8_variant_times.cache_clear()
+    cpu_kernel_choice.a8_times.cache_clear()
     cpu_kernel_choice.a8_measured_plan.cache_clear()
     yield ops
-    cpu_kernel_choice.a8_variant_times.cache_clear()
+    cpu_kernel_choice.a8_times.cache_clear()
     cpu_kernel_choice.a8_measured_plan.cache_clear()
 
 
 def test_the_load_time_plan_runs_the_faster_of_two_fake_timed_variants_at_each_row_count(fake_a8_variants):
     ops = fake_a8_variants
     plan = cpu_kernel_choice.a8_variant_plan(True)
-    # 1 + m against 4: the default up to 3 rows (a tie at 3), vnni256 from 4 rows (4 < 0.97 * 5)
-    assert plan == {m: "vnni512" if m <= 3 else "vnni256" for m in cpu_kernel_choice.A8_VARIANT_ROWS}
+    # 1 + m against 4: the default at 1 and 2 rows, vnni256 from 4 rows (4 < 0.97 * 5)
+    assert plan == {m: "vnni512" if m <= 2 else "vnni256" for m in cpu_kernel_choice.A8_VARIANT_ROWS}
     by_rows = cpu_kernel_choice.a8_row_ops(True)
-    assert len(by_rows) == 17 and by_rows[0] is by_rows[1] is ops["vnni512"] and by_rows[3] is ops["vnni512"]
-    assert all(by_rows[m] is ops["vnni256"] for m in range(4, 17))  # 9 .. 16 rows: the 16-row choice
-    assert "vnni512 at 1-3, vnni256 at 4-16 rows" == cpu_kernel_choice.describe_plan(plan)
+    assert len(by_rows) == 17 and by_rows[0] is by_rows[1] is by_rows[2] is ops["vnni512"]
+    assert all(by_rows[m] is ops["vnni256"] for m in range(3, 17))  # 3 rows: the 4-row choice; 9-16: the 16-row
+    assert "vnni512 at 1-2, vnni256 at 4-16 rows" == cpu_kernel_choice.describe_plan(plan)
 
 
 def test_amx_takes_the_row_counts_from_its_threshold_and_the_variable_forces_one_variant(fake_a8_variants,
@@ -126,7 +126,7 @@ def test_amx_takes_the_row_counts_from_its_threshold_and_the_variable_forces_one
     fake_a8_variants["amx"] = lambda x, *args: None
     monkeypatch.setattr(cpu_kernel_choice, "a8_amx_min_rows", lambda int4: 8)
     plan = cpu_kernel_choice.a8_variant_plan(True)
-    assert plan[7] == "vnni256" and plan[8] == plan[16] == "amx"
+    assert plan[6] == "vnni256" and plan[8] == plan[16] == "amx"
     monkeypatch.setenv(woq_a8_variants.FORCE_ENV, "vnni256")
     assert set(cpu_kernel_choice.a8_variant_plan(True).values()) == {"vnni256"}
     monkeypatch.setenv(woq_a8_variants.FORCE_ENV, "bf16")  # not among this format's variants: the default
