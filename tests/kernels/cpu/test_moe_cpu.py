@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from specdec.kernels.cpu import moe_cpu, woq_cpu
+from specdec.layers import cpu_kernel_choice
 from specdec.kernels.cpu.woq_format import Int4Weight, Int8Weight, quantize_int4, quantize_int8
 from specdec.layers.moe import (
     Expert,
@@ -32,6 +33,25 @@ pytestmark = [pytest.mark.usefixtures("kernel_isa"), needs_kernel]
 
 H, I, E = 256, 256, 8  # one GGUF super-block (256 inputs) per row of either linear
 KINDS = ("w4a8", "w8a8", "q4_k_m", "mixed-forms")
+
+
+_plans_for = [None]
+
+
+@pytest.fixture(autouse=True)
+def a8_plans_of_this_build(kernel_isa):
+    """The w4a8 / w8a8 linears' per-row variant plan is measured once per process for the build found
+    then (variant names differ between builds): a test under another SPECDEC_CPU_ISA measures its own."""
+    def clear(isa):
+        cpu_kernel_choice.a8_times.cache_clear()
+        cpu_kernel_choice.a8_measured_plan.cache_clear()
+        _plans_for[0] = isa
+
+    if _plans_for[0] != kernel_isa:
+        clear(kernel_isa)
+    yield
+    if kernel_isa != (woq_cpu.cpu_isas() or ["none"])[0]:  # leave the default build's plan to later tests
+        clear(None)
 
 
 def k_quant_scales(n: int, k: int, group: int, gen: torch.Generator, signed: bool,
