@@ -25,6 +25,11 @@ def num(value, spec: str = ".2f") -> str:
     return format(value, spec)
 
 
+def _gbs(value) -> str:
+    """GB/s with one decimal, or two significant digits below 1 (a kernel far from the bandwidth)."""
+    return num(value, ".2g" if value is not None and value < 1 else ".1f")
+
+
 def _row(measure: str, value: str, detail: str, name: str) -> list[str]:
     return [measure, value, detail, f"`{name}`"]
 
@@ -118,7 +123,7 @@ def auto_vs_fixed_k_headline(data: dict) -> str:
 
 def auto_vs_fixed_k_summary(name: str, data: dict) -> list[list[str]]:
     return [_row('"auto" K / best fixed K', num(data.get("auto_over_best_fixed_median"), ".3f"),
-                 "fixed K = " + ", ".join(k for k in data.get("engines", {}) if k.startswith("K=")), name)]
+                 "fixed " + ", ".join(k for k in data.get("engines", {}) if k.startswith("K=")), name)]
 
 
 def _moe_auto_runs(data: dict):
@@ -160,7 +165,7 @@ def peers_headline(data: dict) -> str:
     best = _best_specdec(rows, ref) if ref else None
     text = f"{len(rows) + len(data.get('batch_rows', []))} configurations; table below"
     if best:
-        text = f"best specdec {num(best[1])}x llama.cpp {ref['config']} ({best[0]['config']}); " + text
+        text = f"best specdec {num(best[1])}x llama.cpp {ref['config']}: {best[0]['config']}; " + text
     return text
 
 
@@ -234,7 +239,7 @@ def quant_kernels_summary(name: str, data: dict) -> list[list[str]]:
         m = _survey_rows(sorted(set.intersection(*(set(map(int, r["time_vs_m1"])) for r in results))))
         gbs, tm = _combined(results, m)
         copy = sum(r["copy_gbs"] for r in results) / len(results)
-        out.append(_row(f"kernel survey: {kernel}", f"{num(gbs, '.1f')} GB/s; t({m})/t(1) {num(tm)}",
+        out.append(_row(f"kernel survey: {kernel}", f"{_gbs(gbs)} GB/s; t({m})/t(1) {num(tm)}",
                         f"{len(results)} shapes as one layer, copy {num(copy, '.1f')} GB/s, activations "
                         f"{data['dtype']}, int4 group {data['group_size']}, {data['num_threads']} thread(s)", name))
     return out
@@ -254,7 +259,7 @@ def cpu_verify_rows_summary(name: str, data: dict) -> list[list[str]]:
         copy = kernels.get("copy_gb_per_s")
         for kernel, r in kernels.items():
             if isinstance(r, dict) and "t_over_t1" in r:
-                value = f"{num(r.get('gb_per_s_m1'), '.1f')} GB/s; t({m})/t(1) {num(r['t_over_t1'].get(str(m)))}"
+                value = f"{_gbs(r.get('gb_per_s_m1'))} GB/s; t({m})/t(1) {num(r['t_over_t1'].get(str(m)))}"
                 out.append(_row(f"layer survey: {fmt} {kernel}", value,
                                 f"one layer's linears, copy {num(copy, '.1f')} GB/s, {threads} thread(s)", name))
     return out

@@ -74,14 +74,15 @@ def provenance(data: dict) -> str:
     if m:
         bw = m.get("bandwidth_gb_per_s")
         load = m.get("load_average")
-        flags = ", ".join(m.get("cpu_flags") or []) or "-"
+        flags = ", ".join(m.get("cpu_flags") or sorted(cpu_identity(m).isa)) or "-"
         gpu = f", GPU {m['gpu']}" if m.get("gpu") else ""
         bw_text = f"measured copy bandwidth **{bw:.1f} GB/s**" if bw else "bandwidth not measured"
         if m.get("cpu_header"):
             lines.append("Machine: " + m["cpu_header"].splitlines()[0].removeprefix("CPU: "))
         else:
-            lines.append(f"Machine: {m.get('cpu')} ({flags}), {m.get('cpu_cores')} cores, "
-                         f"{m.get('torch_threads')} torch threads{gpu}; {bw_text}")
+            cores = f"{m['cpu_cores']} cores, " if m.get("cpu_cores") else ""
+            lines.append(f"Machine: {m.get('cpu')} ({flags}), {cores}{m.get('torch_threads')} torch threads{gpu}; "
+                         f"{bw_text}")
         if m.get("env"):
             lines.append("Environment: " + ", ".join(f"`{k}={v}`" for k, v in m["env"].items()))
         if load:
