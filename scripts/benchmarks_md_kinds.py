@@ -208,6 +208,23 @@ def moe_gguf_peer_summary(name: str, data: dict) -> list[list[str]]:
                  f"{num(experts.get('8'), '.1f')} (8 rows)", name)]
 
 
+def serve_peers_headline(data: dict) -> str:
+    same = data.get("greedy_identical") or {}
+    return ("; ".join(f"{r['engine']} {num(r['tokens_per_s'], '.1f')} tok/s, {r.get('passed')}/{r['requests']} passed"
+                      for r in data["rows"]) + f"; greedy identical {same.get('same')}/{same.get('of')}")
+
+
+def serve_peers_summary(name: str, data: dict) -> list[list[str]]:
+    cfg = data.get("config") or {}
+    same = data.get("greedy_identical") or {}
+    detail = (f"{cfg.get('num_tasks')} {cfg.get('tasks')} coding tasks x {cfg.get('max_tokens')} tokens, "
+              f"{os.path.basename(str(cfg.get('gguf')))}; greedy identical {same.get('same')}/{same.get('of')}")
+    return [_row("server workload: specdec (speculative) / llama-server, same GGUF",
+                 f"{num(data.get('specdec_x_llama_server'))}x", detail, name),
+            _row("server workload: specdec plain / llama-server", f"{num(data.get('plain_x_llama_server'))}x",
+                 detail, name)]
+
+
 # ---- kernels: the survey of row counts ---------------------------------------------------------------
 
 def _survey_rows(rows: list[int]) -> int:
@@ -316,6 +333,8 @@ class KindRenderer:
 RENDERERS: dict[str, KindRenderer] = {
     "peers": KindRenderer("specdec vs vLLM CPU and llama.cpp (each configuration in its own process, interleaved "
                           "rounds)", peers_headline, peers_summary),
+    "serve-peers": KindRenderer("The server workload: coding tasks through specdec's server and llama-server (same "
+                                "GGUF), requests alternated", serve_peers_headline, serve_peers_summary),
     "moe_gguf_peer": KindRenderer("MoE GGUF against llama.cpp: plain decoding and the verification cost of K+1 rows",
                                   moe_gguf_peer_headline, moe_gguf_peer_summary),
     "latency": KindRenderer("Latency: decode tokens/s vs the roofline, speculation vs none", latency_headline,
