@@ -18,6 +18,7 @@ request's tokens; the draft KV there is scratch, recomputed by the next catch-up
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -43,6 +44,9 @@ class DraftModelProposer(Proposer):
         self.tree_topk = tree_topk
         self.tree_depth = tree_depth
         self.tree_nodes = tree_nodes
+        # a chain stops drafting a request once the draft's top-1 probability falls below this
+        # (0: always K); see ``_confident``
+        self.confidence_threshold = 0.0
 
     def _forward(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits [N, target vocab], the pass's hidden states [T, H]: read by EAGLE's next pass only)."""
@@ -85,6 +89,8 @@ class DraftModelProposer(Proposer):
         for step in range(max(ks)):
             if step > 0:
                 prev_rows, rows = rows, [j for j in rows if ks[j] > step]
+                if not rows:
+                    break
                 batch = self._next_batch(reqs, rows, prev_rows, [tokens_per_pass[-1][j] for j in rows], step,
                                          block_tables, predicted)
             logits, hidden = self._forward(batch)  # [len(rows), V]
@@ -102,6 +108,10 @@ class DraftModelProposer(Proposer):
                     greedy = sub.temperature == 0
                     tok = torch.where(greedy, logits.argmax(dim=-1), tok)
             tok_list = tok.tolist()
+            if self.confidence_threshold > 0.0 and step + 1 < max(ks):
+                for j, sure in zip(rows, self._confident(logits)):
+                    if not sure:
+                        ks[j] = step + 1
             full = [0] * len(reqs)
             for j, t in zip(rows, tok_list):
                 full[j] = t
@@ -113,6 +123,16 @@ class DraftModelProposer(Proposer):
         self._finish(reqs, ks)
         return DraftProposal(drafts, self._flat_probs(probs_per_pass, ks, active, len(requests), meta),
                              num_first_pass_rows=first_pass_rows)
+
+    def _confident(self, logits: torch.Tensor) -> list[bool]:
+        """Per row of logits [N, V]: whether the draft's top-1 probability (temperature 1) reaches
+        ``confidence_threshold``. A draft unsure of its token is likely rejected there, and every
+        draft after a rejection is verified for nothing. Lossless whatever it decides: at each
+        position the target either verifies a draft token drawn from q or samples from p itself,
+        and both emit p."""
+        lp = logits.float()
+        top = lp.max(dim=-1).values - torch.logsumexp(lp, dim=-1)
+        return (top >= math.log(self.confidence_threshold)).tolist()
 
     # ---- token trees ----
     def _propose_tree(self, requests: list[CachedRequestState], active: list[int], slots: list[int],
