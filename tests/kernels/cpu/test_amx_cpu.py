@@ -131,6 +131,26 @@ def test_amx_int8_path_over_input_chunks_and_a_shifted_last_pass_equals_the_vnni
 
 
 @needs_amx_a8
+@pytest.mark.parametrize("rows", [7, 40])
+def test_amx_int8_path_on_two_threads_equals_the_vnni_kernel_bitwise(rows):
+    """Each thread configures its own tiles (a tile configuration is per thread; a worker thread that
+    runs a tile instruction without one faults)."""
+    from specdec.kernels.cpu import woq_cpu
+    from specdec.kernels.cpu.woq_format import quantize_int4
+
+    g = torch.Generator().manual_seed(3)
+    args = woq_cpu.a8_kernel_args(woq_cpu.A8Weight.prepare(quantize_int4(torch.randn(96, 512, generator=g), 32)))
+    x = torch.randn(rows, 512, generator=g)
+    ops = amx_cpu.extension_a8()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(ops.a8_linear_amx(x, *args, None), ops.a8_linear(x, *args, None))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx_a8
 def test_amx_int8_path_with_no_rows_returns_an_empty_result():
     from specdec.kernels.cpu import woq_cpu
     from specdec.kernels.cpu.woq_format import quantize_int4

@@ -205,7 +205,9 @@ void configure_a8(int rows, int E) {
     cfg.rows[4 + t] = static_cast<uint8_t>(E / 4);
     cfg.colsb[4 + t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  // not _tile_loadconfig: gcc 12 declares it to read 8 bytes, so the stores of rows and colsb
+  // above may be dropped as dead (then the first tile instruction faults)
+  asm volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
 // int4: the vectors of inputs [k_begin, k_end) of a block at wp as B rows, 64 bytes each (low nibbles
@@ -453,9 +455,9 @@ void run_amx_format(const Args& a, int64_t M) {
   const int64_t chunks = (16 * a.K + kAmxChunkBytes - 1) / kAmxChunkBytes;
   const int64_t chunk = ((a.K + chunks - 1) / chunks + 63) / 64 * 64;  // a multiple of 2 E
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    configure_a8(static_cast<int>(std::min(M, kAmxRows)), static_cast<int>(a.E));
     std::vector<uint8_t> unpacked(INT4 ? 16 * chunk : 0);
     std::vector<float> acc(16 * M);  // [M][16]
+    configure_a8(static_cast<int>(std::min(M, kAmxRows)), static_cast<int>(a.E));
     for (int64_t blk = begin; blk < end; ++blk) {
       const uint8_t* wp = a.w + blk * a.blk_bytes;
       for (int64_t kb = 0; kb < a.K; kb += chunk) {
