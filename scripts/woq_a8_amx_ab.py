@@ -40,7 +40,9 @@ SHAPES = ((1536, 1536, True), (256, 1536, True), (256, 1536, None), (1536, 1536,
 
 def build_revision(rev: str):
     """``rev``'s a8_linear_amx, built from its own woq_a8.cpp and common.h under another namespace."""
-    src = Path(tempfile.mkdtemp(prefix="woq_a8_amx_rev_"))
+    sha = subprocess.run(["git", "rev-parse", rev], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
+    src = Path(tempfile.gettempdir()) / f"woq_a8_amx_rev_{sha[:12]}"  # one folder per commit: built once
+    src.mkdir(exist_ok=True)
     for path in (f"{CSRC}/woq_a8.cpp", f"{CSRC}/common.h"):
         text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
                               text=True).stdout

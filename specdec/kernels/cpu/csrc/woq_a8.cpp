@@ -224,17 +224,31 @@ inline void unpack_int4(const uint8_t* wp, int64_t k_begin, int64_t k_end, uint8
   }
 }
 
+// group_values for group g whose super-block is sb (two-level), without its divisions
+template <int SF>
+__attribute__((always_inline)) inline __m512 amx_group_values(const Args& a, const void* v, const float* sup,
+                                                             int64_t blk, int64_t g, int64_t sb) {
+  const int64_t at = (blk * a.ng + g) * kBlock;
+  if (SF == kF32) return _mm512_loadu_ps(static_cast<const float*>(v) + at);
+  if (SF == kF16)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(v) + at)));
+  const __m512 codes = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(v) + at))));
+  return _mm512_mul_ps(codes, _mm512_loadu_ps(sup + (blk * a.nsb + sb) * kBlock));
+}
+
 // One pass of a tile: rows r0 .. r0 + rows - 1 of block blk over inputs [k_begin, k_end), B operands
 // at b (the unit at input k at b + 16 * (k - k_begin)), tiles configured for these rows and E.
 // acc [rows][16] holds the rows' float sums between passes over a block's inputs (read unless
 // k_begin is 0); at k_end = K they go to y instead. Rows below `kept` are computed but neither
-// stored nor written (another pass owns them). The float sums stay in registers across the
-// inputs: the integer sums of two units by tiles, then the float scaling of tile() above, unit by
-// unit, row by row. FULL: rows is 16.
+// stored nor written (another pass owns them). FULL: rows is 16.
+// Per pair of units, the integer sums by tiles, stored; then the float scaling of tile() above, unit
+// by unit, row by row, on the pair stored one step earlier (a load right after the tile store
+// would wait for it), with the rows' float sums in registers across the inputs.
 template <bool INT4, int SF, bool FULL>
 void tile_amx(const Args& a, int64_t blk, int64_t r0, int rows, int64_t k_begin, int64_t k_end, const uint8_t* b,
               float* acc, int kept) {
-  alignas(64) int32_t isum[2][16 * 16];
+  alignas(64) int32_t isum[2][2][16 * 16];  // [pair parity][unit of the pair][row][output]
   __m512 f[16];
 #pragma GCC unroll 16
   for (int m = 0; m < 16; ++m)
@@ -243,35 +257,50 @@ void tile_amx(const Args& a, int64_t blk, int64_t r0, int rows, int64_t k_begin,
   const uint8_t* xq = a.xq + r0 * a.K;
   const float* xs = a.xs + r0 * a.nab;
   const float* xsx = INT4 ? a.xsx + r0 * a.nab : nullptr;
-  for (int64_t k0 = k_begin; k0 < k_end; k0 += 2 * a.E) {
-    const int64_t k1 = k0 + a.E;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(2, xq + k0, a.K);
-    _tile_loadd(3, xq + k1, a.K);
-    _tile_loadd(4, b + 16 * (k0 - k_begin), 64);
-    _tile_loadd(5, b + 16 * (k1 - k_begin), 64);
-    if (INT4) {
-      _tile_dpbsud(0, 2, 4);
-      _tile_dpbsud(1, 3, 5);
-    } else {
-      _tile_dpbssd(0, 2, 4);
-      _tile_dpbssd(1, 3, 5);
+  // the group of the next unit to scale, where the one after it starts, and (two-level) its super-block
+  int64_t g = k_begin / a.G, next_group = k_begin, sb = g * a.G / a.S, next_super = (sb + 1) * a.S;
+  const int64_t step = 2 * a.E;
+  for (int64_t k0 = k_begin, i = 0; k0 < k_end + step; k0 += step, ++i) {
+    if (k0 < k_end) {
+      const int64_t k1 = k0 + a.E;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_loadd(2, xq + k0, a.K);
+      _tile_loadd(3, xq + k1, a.K);
+      _tile_loadd(4, b + 16 * (k0 - k_begin), 64);
+      _tile_loadd(5, b + 16 * (k1 - k_begin), 64);
+      if (INT4) {
+        _tile_dpbsud(0, 2, 4);
+        _tile_dpbsud(1, 3, 5);
+      } else {
+        _tile_dpbssd(0, 2, 4);
+        _tile_dpbssd(1, 3, 5);
+      }
+      _tile_stored(0, isum[i & 1][0], 64);
+      _tile_stored(1, isum[i & 1][1], 64);
     }
-    _tile_stored(0, isum[0], 64);
-    _tile_stored(1, isum[1], 64);
+    if (k0 == k_begin) continue;
     for (int u = 0; u < 2; ++u) {
-      const int64_t k = u == 0 ? k0 : k1;
-      if (k % a.G == 0 || k == k_begin) {
-        sv = group_values<SF>(a, a.ws, a.ws_sup, blk, k / a.G);
-        if (INT4) ov = group_values<SF>(a, a.wo, a.wo_sup, blk, k / a.G);
+      const int64_t k = k0 - step + u * a.E;
+      if (k == next_group) {
+        if (k > k_begin) {
+          ++g;
+          if (k == next_super) {
+            ++sb;
+            next_super += a.S;
+          }
+        }
+        next_group = (g + 1) * a.G;
+        sv = amx_group_values<SF>(a, a.ws, a.ws_sup, blk, g, sb);
+        if (INT4) ov = amx_group_values<SF>(a, a.wo, a.wo_sup, blk, g, sb);
       }
       const int64_t ab = k / kABlock;
+      const int32_t* s = isum[(i - 1) & 1][u];
 #pragma GCC unroll 16
       for (int m = 0; m < 16; ++m) {
         if (!FULL && m >= rows) continue;
-        const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(isum[u] + 16 * m));
-        f[m] = _mm512_fmadd_ps(s, _mm512_mul_ps(sv, _mm512_set1_ps(xs[m * a.nab + ab])), f[m]);
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(s + 16 * m));
+        f[m] = _mm512_fmadd_ps(sum, _mm512_mul_ps(sv, _mm512_set1_ps(xs[m * a.nab + ab])), f[m]);
         if (INT4) f[m] = _mm512_fmadd_ps(ov, _mm512_set1_ps(xsx[m * a.nab + ab]), f[m]);
       }
     }
