@@ -43,6 +43,9 @@ class SpeculativeConfig:
     # frequent first, or a built-in table); given alone, ``draft_vocab`` keeps every token it lists
     draft_vocab_size: int | None = None
     draft_vocab: str | None = None
+    # chains drafted by a model (draft_model, eagle, eagle3, mtp): a request stops drafting at the
+    # first draft token whose probability under the draft (temperature 1) is below this; 0 = K always
+    draft_confidence_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         method = get_method(self.method)  # the method's own checks run last, on a config checked here
@@ -73,6 +76,13 @@ class SpeculativeConfig:
         if self.tree_nodes is not None and (not isinstance(self.tree_nodes, int)
                                             or not 1 <= self.tree_nodes <= MAX_TREE_NODES):
             raise ValueError(f"speculative_config.tree_nodes must be in 1..{MAX_TREE_NODES}, got {self.tree_nodes!r}")
+        c = self.draft_confidence_threshold
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c < 1.0:
+            raise ValueError(f"speculative_config.draft_confidence_threshold must be in [0, 1), got {c!r}")
+        if c and (not method.has_draft_model or self.tree_topk > 1):
+            raise ValueError(f"speculative_config.draft_confidence_threshold applies to chains drafted by a model "
+                             f"({_either(n for n, m in registered_methods().items() if m.has_draft_model)}, "
+                             f"tree_topk 1), got method {self.method!r} with tree_topk {self.tree_topk}")
         if self.is_tree and not method.supports_tree:
             raise ValueError(f"speculative_config.tree_topk > 1 needs method "
                              f"{_either(n for n, m in registered_methods().items() if m.supports_tree)} (a draft "

@@ -11,7 +11,9 @@ Each weight is copied enough times that one pass over the copies exceeds ``CACHE
 and successive calls walk the copies, so a call rarely finds its weight in cache. A kernel
 meets the bar when it reaches 0.70 of the copy bandwidth at M=1 and its M=7 time (a K=6
 verification) stays within 1.3x its M=1 time. The AMX paths (``kernels.cpu.amx_cpu``) are timed
-where the CPU has AMX; third-party kernels (torchao, zentorch) when importable.
+where the CPU has AMX; the int8-activation kernel's variants (``kernels.cpu.woq_a8_variants``) where
+they run, with "load-time choice" (the variant the engine picks per row count, printed first);
+third-party kernels (torchao, zentorch) when importable.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ def add_parser(sub):
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="repetitions (the median is reported)")
     p.add_argument("--group-size", type=int, default=128, help="int4 group size along K (32: GGUF Q4_0)")
+    p.add_argument("--gbs", action="store_true", help="per-M cells in effective GB/s, not the ratio to copy GB/s")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run)
     return p
@@ -103,6 +106,7 @@ def candidate_kernels(group_size: int) -> dict:
         isa = woq_cpu.cpu_isas(a8=True)[0]
         kernels[f"specdec w8a8 ({isa})"] = ("int8", ours_a8("int8"))
         kernels[f"specdec w4a8 ({isa})"] = ("int4", ours_a8("int4"))
+        kernels.update(_a8_variant_kernels(group_size))
     kernels.update(_bf16_kernels())
     kernels.update(_amx_a8_kernels(group_size))
     kernels.update(_third_party(group_size))
@@ -133,6 +137,45 @@ def _bf16_kernels() -> dict:
             return (lambda x: amx_cpu.amx_bf16_linear(x, packed)), 2 * w.numel()
         out["specdec bf16 pairs (AMX)"] = ("bf16", amx)
     return out
+
+
+def _a8_variant_kernels(group_size: int) -> dict:
+    """The int8-activation kernel's other variants (the same values as ``linear_a8``, bit for bit) and
+    the load-time choice: the variant ``cpu_kernel_choice.a8_row_ops`` binds for each row count."""
+    from specdec.kernels.cpu import woq_a8_variants, woq_cpu
+    from specdec.kernels.cpu.woq_format import quantize_int4, quantize_int8
+    from specdec.layers import cpu_kernel_choice
+
+    def prepare_with(int4: bool, op=None):
+        def prepare(w, dtype):
+            q = quantize_int4(w, group_size) if int4 else quantize_int8(w, None)
+            args = woq_cpu.a8_kernel_args(woq_cpu.A8Weight.prepare(q))
+            if op is not None:
+                return (lambda x: op(x, *args, None)), q.nbytes
+            by_rows = cpu_kernel_choice.a8_row_ops(int4)
+            return (lambda x: by_rows[min(x.numel() // w.shape[1], len(by_rows) - 1)](x, *args, None)), q.nbytes
+        return prepare
+
+    out = {}
+    for fmt, int4 in (("int8", False), ("int4", True)):
+        label = "w4a8" if int4 else "w8a8"
+        for name, op in woq_a8_variants.variant_ops(int4, amx=False).items():
+            if name != woq_a8_variants.default_variant():
+                out[f"specdec {label} ({name})"] = (fmt, prepare_with(int4, op))
+        out[f"specdec {label} (load-time choice)"] = (fmt, prepare_with(int4))
+    return out
+
+
+def a8_selection() -> dict[str, str]:
+    """The int8-activation variant the engine runs at each row count, per format (measured now, at this
+    process's thread count, where no layer has yet)."""
+    from specdec.kernels.cpu import woq_cpu
+    from specdec.layers import cpu_kernel_choice
+
+    if woq_cpu.extension_a8() is None:
+        return {}
+    return {fmt: cpu_kernel_choice.describe_plan(cpu_kernel_choice.a8_variant_plan(int4))
+            for fmt, int4 in (("w4a8", True), ("w8a8", False))}
 
 
 def _amx_a8_kernels(group_size: int) -> dict:
@@ -218,6 +261,10 @@ def measure(args) -> dict:
         if unknown:
             raise SystemExit(f"--kernels: unknown {unknown}; this machine has {sorted(kernels)}")
         kernels = {name: kernels[name] for name in args.kernels.split(",")}
+    gbs = getattr(args, "gbs", False)
+    selection = a8_selection() if any(name.startswith(("specdec w4a8", "specdec w8a8")) for name in kernels) else {}
+    for fmt, plan in selection.items():
+        print(f"load-time selection, {fmt}: {plan}", flush=True)
     results = []
     for name, (fmt, prepare) in kernels.items():
         for n, k in shapes:
@@ -241,21 +288,23 @@ def measure(args) -> dict:
                        "time_vs_m1": {str(m): median(r[f"t{m}/t1"] for r in reps) for m in rows},
                        "copy_gbs": median(r["copy_gbs"] for r in reps)}
                 results.append(row)
-                print(render_row(row, rows), flush=True)
+                print(render_row(row, rows, gbs), flush=True)
     copy_gbs = median(r["copy_gbs"] for r in results if "copy_gbs" in r) if results else None
     return result_header(args, "quant_kernels", copy_gbs * 1e9 if copy_gbs else None) | {
         "rows": rows, "dtype": args.dtype, "num_threads": args.num_threads, "group_size": args.group_size,
-        "repeats": args.repeats, "results": results}
+        "repeats": args.repeats, "cells": "gb_per_s" if gbs else "ratio", "a8_selection": selection,
+        "results": results}
 
 
 def _t(r: dict, m: int) -> float:
     return r["time_vs_m1"].get(str(m), float("nan"))
 
 
-def render_row(r: dict, rows) -> str:
+def render_row(r: dict, rows, gbs: bool = False) -> str:
     if "error" in r:
         return f"| {r['kernel']} | {r['n']}x{r['k']} | error: {r['error'][:80]} |"
-    ratios = " | ".join(f"{r['ratio'][str(m)]:.2f}" for m in rows)
+    cells = r["gb_per_s"] if gbs else r["ratio"]
+    ratios = " | ".join(f"{cells[str(m)]:.2f}" for m in rows)
     gbs = r.get("gb_per_s", {}).get(str(rows[0]))
     t_bar = _t(r, BAR_ROWS)
     meets = r["ratio"][str(rows[0])] >= 0.70 and t_bar <= 1.3
@@ -265,16 +314,20 @@ def render_row(r: dict, rows) -> str:
 
 def render(data: dict) -> str:
     rows = data["rows"]
-    note = (f"Effective GB/s at M={rows[0]}, then effective GB/s (weight bytes streamed / time) over the "
-            f"single-thread copy GB/s measured just before, per row count M; activations {data['dtype']}, "
+    gbs = data.get("cells") == "gb_per_s"
+    per_m = "effective GB/s (weight bytes streamed / time)" if gbs else \
+        "effective GB/s (weight bytes streamed / time) over the single-thread copy GB/s measured just before"
+    note = (f"Effective GB/s at M={rows[0]}, then {per_m}, per row count M; activations {data['dtype']}, "
             f"{data['num_threads']} thread(s), int4 group {data['group_size']}, median of {data.get('repeats', 3)}; "
             f"bar: >= 0.70 at M=1 and t(M={BAR_ROWS}) <= 1.3 t(M=1).\n\n")
+    for fmt, plan in data.get("a8_selection", {}).items():
+        note += f"Load-time selection, {fmt}: {plan}.\n\n"
     for source in data.get("merged_from", []):  # rows of other runs of this command, same machine and day
         note += f"Rows of {source['kernels']}: `{source['command']}` ({source['date']}).\n\n"
     head = note + (f"| kernel | NxK | GB/s M={rows[0]} | " + " | ".join(f"M={m}" for m in rows)
                    + f" | t(M={BAR_ROWS})/t(M=1) | t(M=16)/t(M=1) | t(M=32)/t(M=1) | copy GB/s | meets bar |\n"
                    + "|---" * (len(rows) + 8) + "|")
-    return "\n".join([head] + [render_row(r, rows) for r in data["results"]])
+    return "\n".join([head] + [render_row(r, rows, gbs) for r in data["results"]])
 
 
 def run(args: argparse.Namespace) -> int:

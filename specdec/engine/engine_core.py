@@ -214,9 +214,15 @@ class EngineCore:
 
     def get_metrics(self) -> dict:
         out = self.spec_metrics.as_dict()
+        groups = self.kv.group_usage()
         out.update(
-            kv_cache_usage=self.kv.usage, num_kv_blocks=self.kv.pool.num_blocks,
-            num_free_kv_blocks=self.kv.pool.num_free_blocks, num_running=len(self.scheduler.running),
+            # the fraction of the KV cache's bytes in use (vLLM's kv_cache_usage_perc); blocks of every
+            # group's pool, and each group's own (hybrid models: full attention, each sliding window)
+            kv_cache_usage=self.kv.usage, num_kv_blocks=sum(g.num_blocks for g in groups),
+            num_free_kv_blocks=sum(g.num_free_blocks for g in groups),
+            kv_cache_groups={g.name: {"num_blocks": g.num_blocks, "num_free_blocks": g.num_free_blocks,
+                                      "usage": g.usage} for g in groups},
+            num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting), num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv.pool.num_cache_queries, prefix_cache_hits=self.kv.pool.num_cache_hits,
         )

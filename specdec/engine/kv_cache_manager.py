@@ -11,8 +11,14 @@ primary group's (the widest window) block ids are ``get_block_ids``, the others'
 advances. Prefix caching: every group caches its full blocks under the same chained hashes; a
 prefix hit is the longest prefix every group can resume from, which for a sliding group needs only
 the blocks the window after the prefix reads (so its freed blocks serve as prefix until evicted).
+
+Usage, as vLLM defines ``kv_cache_usage_perc`` (the fraction of the KV cache's memory in use; vLLM
+keeps every group in one pool): the groups' blocks in use weighted by their bytes per block;
+``group_usage`` reports each group's pool.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from specdec.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
 from specdec.engine.group_block_table import NULL_BLOCK_ID, GroupBlockTable  # noqa: F401 (re-exported)
@@ -27,6 +33,17 @@ def _root_hash(request: Request) -> int | None:
     return None if lora is None else hash(("lora", lora.lora_int_id))
 
 
+@dataclass(frozen=True)
+class KVGroupUsage:
+    name: str  # ``KVGroup.name``: full_attention, sliding_window_<w>
+    num_blocks: int
+    num_free_blocks: int
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  sliding_window: int | None = None):
@@ -34,12 +51,16 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.groups = [GroupBlockTable(num_blocks, block_size, enable_prefix_caching, sliding_window)]
+        self.group_names = ["full_attention" if sliding_window is None else f"sliding_window_{sliding_window}"]
+        self.bytes_per_block = [1]  # per group: what one block of its pool weighs in ``usage``
 
     @classmethod
     def from_layout(cls, layout: KVLayout, enable_prefix_caching: bool = True) -> KVCacheManager:
         manager = cls(layout.groups[0].num_blocks, layout.block_size, enable_prefix_caching, layout.groups[0].window)
-        manager.groups += [GroupBlockTable(g.num_blocks, layout.block_size, enable_prefix_caching, g.window)
-                           for g in layout.groups[1:]]
+        manager.groups = [GroupBlockTable(g.num_blocks, layout.block_size, enable_prefix_caching, g.window,
+                                          holds_draft=bool(g.draft_layers)) for g in layout.groups]
+        manager.group_names = [g.name for g in layout.groups]
+        manager.bytes_per_block = [max(1, g.bytes_per_block) for g in layout.groups]
         return manager
 
     # the primary group's state (the only group of a model without hybrid layers)
@@ -65,8 +86,15 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """The fullest group's: it decides when requests are preempted."""
-        return max(g.pool.usage for g in self.groups)
+        """The fraction of the KV cache's bytes in blocks in use (every group's pool)."""
+        total = sum(g.pool.num_blocks * b for g, b in zip(self.groups, self.bytes_per_block))
+        used = sum((g.pool.num_blocks - g.pool.num_free_blocks) * b for g, b in zip(self.groups, self.bytes_per_block))
+        return used / total
+
+    def group_usage(self) -> list[KVGroupUsage]:
+        """Each group's pool, the primary group first."""
+        return [KVGroupUsage(name, g.pool.num_blocks, g.pool.num_free_blocks)
+                for name, g in zip(self.group_names, self.groups)]
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.groups[0].get_block_ids(request_id)
@@ -109,6 +137,12 @@ class KVCacheManager:
     def free_outside_window(self, request: Request) -> int:
         """Give back the request's blocks no query can read again, in every group; -> how many."""
         return sum(g.free_outside_window(request) for g in self.groups)
+
+    def mark_draft_caught_up(self, request: Request) -> None:
+        """The draft model has seen the request's computed tokens: the groups holding draft layers
+        may free behind them (``GroupBlockTable.holds_draft``)."""
+        for g in self.groups:
+            g.mark_draft_caught_up(request)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list | None = None) -> bool:

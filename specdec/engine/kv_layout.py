@@ -9,8 +9,12 @@ advances (``KVCacheManager``). Group 0, the *primary* group, has the widest wind
 attention); a draft model's or EAGLE head's cache shares its block ids, so its window is widened
 to what the draft reads.
 
-One group only (every layer in the primary group, its window the widest) where per-group tables
-are not wired: captured graphs (their block table is one static buffer).
+A draft model that reads the target's token positions (same tokenizer) puts each of its layers in
+the group of that layer's window (``with_draft_layers``; the primary group where no group has it),
+so a sliding draft layer keeps only its window too. The draft catches up on the tokens it has not
+seen only when it next drafts (not during a prompt's prefill, nor while a request drafts nothing),
+so a group holding draft layers frees behind what the draft has seen, and budgets one whole
+sequence (``blocks_per_sequence_window``).
 """
 from __future__ import annotations
 
@@ -25,6 +29,18 @@ class KVGroup:
     layers: tuple[int, ...]  # the target layers whose caches use this group's block table
     num_blocks: int = 0  # the group's block pool (set once the budget is known)
     bytes_per_block: int = 0  # one block of every cache reading this group's table (set with num_blocks)
+    draft_layers: tuple[int, ...] = ()  # the draft model's layers reading this group's table (with_draft_layers)
+
+    @property
+    def name(self) -> str:
+        """The group's label in metrics: ``full_attention`` or ``sliding_window_<w>``."""
+        return "full_attention" if self.window is None else f"sliding_window_{self.window}"
+
+    @property
+    def blocks_per_sequence_window(self) -> int | None:
+        """The window that sizes one sequence's blocks: a group holding draft layers may keep a
+        whole sequence while the draft has not caught up (None), any other its window."""
+        return None if self.draft_layers else self.window
 
 
 @dataclass(frozen=True)
@@ -41,7 +57,9 @@ class KVLayout:
         return sum(g.num_blocks * g.bytes_per_block for g in self.groups)
 
     def describe(self) -> str:
-        return ", ".join(f"{g.num_blocks} blocks for {len(g.layers)} {_name(g)} layers" for g in self.groups)
+        return ", ".join(f"{g.num_blocks} blocks for {len(g.layers)} {_name(g)} layers"
+                         + (f" and {len(g.draft_layers)} of the draft's" if g.draft_layers else "")
+                         for g in self.groups)
 
     def layer_groups(self, num_layers: int) -> list[int]:
         """The group index of each target layer."""
@@ -50,6 +68,10 @@ class KVLayout:
             for layer in group.layers:
                 owner[layer] = g
         return owner
+
+    def draft_view(self) -> KVLayout:
+        """The layout as the draft model's runner reads it: each group's draft layers as its layers."""
+        return KVLayout(self.block_size, tuple(replace(g, layers=g.draft_layers, draft_layers=()) for g in self.groups))
 
 
 def _wider(a: int | None, b: int | None) -> int | None:
@@ -75,6 +97,16 @@ def kv_groups(layer_windows: list[int | None], draft_window: int | None | bool =
         else:
             groups.append(KVGroup(window, tuple(by_window[window])))
     return tuple(groups)
+
+
+def with_draft_layers(groups: tuple[KVGroup, ...], draft_windows: list[int | None]) -> tuple[KVGroup, ...]:
+    """``groups`` with draft layer i (window ``draft_windows[i]``) in the group of its window, or
+    the primary group (whose window is at least every draft layer's: ``kv_groups``'s draft_window)."""
+    by_window = {g.window: i for i, g in enumerate(groups)}
+    owned: list[list[int]] = [[] for _ in groups]
+    for layer, window in enumerate(draft_windows):
+        owned[by_window.get(window, 0)].append(layer)
+    return tuple(replace(g, draft_layers=tuple(d)) for g, d in zip(groups, owned))
 
 
 def group_blocks_per_sequence(window: int | None, max_model_len: int, max_k: int, max_chunk: int,
@@ -122,10 +154,3 @@ def split_kv_budget(budget: int, groups: tuple[KVGroup, ...], bytes_per_block: l
 
 def _name(group: KVGroup) -> str:
     return "full-attention" if group.window is None else f"window-{group.window}"
-
-
-def one_group(groups: tuple[KVGroup, ...]) -> tuple[KVGroup, ...]:
-    """Every layer in the primary group (its window already the widest)."""
-    if len(groups) == 1:
-        return groups
-    return (KVGroup(groups[0].window, tuple(sorted(layer for g in groups for layer in g.layers))),)

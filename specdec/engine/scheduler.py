@@ -213,6 +213,8 @@ class Scheduler:
                 # the drafts are kept only while the worker's tokens are the request's: a stop
                 # finishes the request, so a kept run always is
                 req.spec_token_ids = list(drafts) if drafts and num_tokens - req.num_computed_tokens == 1 else []
+                if drafts:  # the draft caught up on every token before proposing them
+                    self.kv.mark_draft_caught_up(req)
                 self.kv.truncate(req, num_tokens + len(req.spec_token_ids))
             updated.append(req)
         return updated, num_emitted

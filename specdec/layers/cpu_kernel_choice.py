@@ -7,6 +7,10 @@ Measured here, once per process:
   the call's rows).
 - ``a8_amx_min_rows``: from how many rows a w4a8 / w8a8 linear runs the AMX path of the int8-activation
   kernel; both paths give the same values bit for bit, so the switch is by row count.
+- ``a8_variant_plan``: which instruction sequence of the int8-activation kernel
+  (``kernels.cpu.woq_a8_variants``: 512- or 256-bit VNNI, bf16 dot products; all equal bit for bit)
+  runs at each row count, the fastest measured on a layer-shaped weight (``$SPECDEC_A8_KERNEL`` forces
+  one); ``a8_row_ops`` gives the ops a layer binds.
 ``quantization.bf16_kernel_faster`` (the pair kernel against oneDNN's packed linear) is the third.
 """
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from specdec.kernels.cpu import amx_cpu, woq_cpu
+from specdec.kernels.cpu import amx_cpu, woq_a8_variants, woq_cpu
 
 INT4_GROUP_SIZE = 128  # quantization.INT4_GROUP_SIZE: the group the measured int4 weight uses
 
@@ -95,25 +99,47 @@ def min_rows_faster(seconds: dict[str, dict[int, float]], fast: str, slow: str, 
     return threshold
 
 
-@functools.lru_cache(maxsize=None)
-def a8_amx_times(int4: bool) -> dict[str, dict[int, float]] | None:
-    """Seconds per call of the int8-activation kernel's VNNI and AMX paths (``amx_cpu.extension_a8``) on a
-    [4096, 2048] int4 (group 128) or int8 (per channel) weight, 4 copies, at ``A8_AMX_ROWS`` rows; None
-    where the AMX path cannot run here."""
+def a8_timing_weights(int4: bool) -> list[tuple]:
+    """The kernel arguments (``woq_cpu.a8_kernel_args``) of copies of one [4096, 2048] int4 (group 128)
+    or int8 (per channel) weight, 64 MB in all, so that the calls that walk them stream from memory."""
     from specdec.kernels.cpu.woq_format import quantize_int4, quantize_int8
 
-    ops = amx_cpu.extension_a8()
-    if ops is None:
-        return None
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(4096, 2048, generator=gen) * 0.02
     one = woq_cpu.a8_kernel_args(woq_cpu.A8Weight.prepare(quantize_int4(w, INT4_GROUP_SIZE) if int4
                                                           else quantize_int8(w)))
-    copies = 16 if int4 else 8  # 64 MB in all
-    args = [tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in one) for _ in range(copies)]
-    return time_row_kernels({"vnni": lambda i, x: ops.a8_linear(x, *args[i], None),
-                             "amx": lambda i, x: ops.a8_linear_amx(x, *args[i], None)}, 2048, A8_AMX_ROWS,
-                            copies=copies, dtype=torch.float32)
+    copies = 16 if int4 else 8
+    return [tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in one) for _ in range(copies)]
+
+
+# the row counts the int8-activation variants are timed at: a decode, verifications of K = 1, 3, 5, 7
+# drafts, a tree's 16 nodes (A8_AMX_ROWS among them); a call of m rows runs the choice of the smallest
+# of them >= m (past the last: the last)
+A8_VARIANT_ROWS = (1, 2, 4, 6, 8, 16)
+
+
+@functools.lru_cache(maxsize=None)
+def a8_times(int4: bool) -> dict[str, dict[int, float]] | None:
+    """Seconds per call of each int8-activation variant that runs here (``woq_a8_variants``, AMX
+    included) on ``a8_timing_weights``, at ``A8_VARIANT_ROWS`` rows; None where only one runs. One
+    timing serves ``a8_amx_min_rows`` and ``a8_measured_plan``: at load, every second counts."""
+    ops = woq_a8_variants.variant_ops(int4)
+    if len(ops) < 2:
+        return None
+    args = a8_timing_weights(int4)
+    calls = {name: (lambda i, x, op=op: op(x, *args[i], None)) for name, op in ops.items()}
+    return time_row_kernels(calls, 2048, A8_VARIANT_ROWS, passes=2, calls_per_pass=4, copies=len(args),
+                            dtype=torch.float32)
+
+
+def a8_amx_times(int4: bool) -> dict[str, dict[int, float]] | None:
+    """``a8_times`` of the default (VNNI) path and the AMX one at ``A8_AMX_ROWS`` rows, as ``{"vnni": ...,
+    "amx": ...}``; None where the AMX path cannot run here."""
+    times = a8_times(int4)
+    if times is None or woq_a8_variants.AMX not in times:
+        return None
+    vnni, amx = times[woq_a8_variants.default_variant()], times[woq_a8_variants.AMX]
+    return {"vnni": {m: vnni[m] for m in A8_AMX_ROWS}, "amx": {m: amx[m] for m in A8_AMX_ROWS}}
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,6 +150,61 @@ def a8_amx_min_rows(int4: bool) -> int | None:
     result independent of the call's rows."""
     times = a8_amx_times(int4)
     return None if times is None else min_rows_faster(times, "amx", "vnni")
+
+
+def pick_per_rows(seconds: dict[str, dict[int, float]], default: str, margin: float = 0.03) -> dict[int, str]:
+    """Per measured row count, the fastest kernel of ``seconds`` (``{kernel: {rows: s}}``): ``default``
+    unless another beats it by more than ``margin`` (a near-tie keeps the default). Kernels that give
+    the same values bit for bit may be mixed by row count: a row's result stays the call's rows' own."""
+    plan = {}
+    for m in seconds[default]:
+        best = min(seconds, key=lambda name: seconds[name][m])
+        plan[m] = best if seconds[best][m] < (1 - margin) * seconds[default][m] else default
+    return plan
+
+
+@functools.lru_cache(maxsize=None)
+def a8_measured_plan(int4: bool) -> dict[int, str]:
+    """``pick_per_rows`` on ``a8_times`` without AMX (the default variant everywhere where it alone runs);
+    AMX has its own rule, ``a8_amx_min_rows``."""
+    times = a8_times(int4)
+    default = woq_a8_variants.default_variant()
+    others = {name: t for name, t in (times or {}).items() if name != woq_a8_variants.AMX}
+    return pick_per_rows(others, default) if len(others) > 1 else {m: default for m in A8_VARIANT_ROWS}
+
+
+def a8_variant_plan(int4: bool) -> dict[int, str]:
+    """Which variant (``woq_a8_variants``) runs a w4a8 (``int4``) or w8a8 linear at each of
+    ``A8_VARIANT_ROWS``: the measured fastest (``a8_measured_plan``), AMX from ``a8_amx_min_rows`` on;
+    ``$SPECDEC_A8_KERNEL``: that variant at every row count where it runs the format (else the
+    default)."""
+    forced = woq_a8_variants.forced_variant()
+    if forced is not None:
+        name = forced if forced in woq_a8_variants.variant_ops(int4) else woq_a8_variants.default_variant()
+        return {m: name for m in A8_VARIANT_ROWS}
+    plan = dict(a8_measured_plan(int4))
+    amx_rows = a8_amx_min_rows(int4)
+    return {m: woq_a8_variants.AMX if amx_rows and m >= amx_rows else name for m, name in plan.items()}
+
+
+def a8_row_ops(int4: bool) -> tuple:
+    """The op ``(x, *woq_cpu.a8_kernel_args(w), bias)`` a w4a8 / w8a8 linear runs for a call of m rows at
+    index m, m = 0 .. ``A8_VARIANT_ROWS[-1]`` (more rows: the last), from ``a8_variant_plan``."""
+    ops, plan = woq_a8_variants.variant_ops(int4), a8_variant_plan(int4)
+    return tuple(ops[plan[next(r for r in A8_VARIANT_ROWS if r >= max(m, 1))]]
+                 for m in range(A8_VARIANT_ROWS[-1] + 1))
+
+
+def describe_plan(plan: dict[int, str]) -> str:
+    """``{1: "a", 2: "a", 3: "b", 16: "b"}`` -> ``"a at 1-2 rows, b at 3-16"``: runs of one variant."""
+    runs: list[list] = []
+    for m, name in sorted(plan.items()):
+        if runs and runs[-1][0] == name:
+            runs[-1][2] = m
+        else:
+            runs.append([name, m, m])
+    parts = [f"{name} at {lo}-{hi}" if lo != hi else f"{name} at {lo}" for name, lo, hi in runs]
+    return ", ".join(parts) + " rows"
 
 
 def cpu_kernel_choices() -> dict[str, str]:
@@ -140,10 +221,17 @@ def cpu_kernel_choices() -> dict[str, str]:
     if woq_cpu.extension_a8() is not None:
         a8_isa = woq_cpu.cpu_isas(a8=True)[0]
         base = f"specdec a8 ({a8_isa}{' VNNI' if a8_isa == 'avx512' else ''})"
+        forced = woq_a8_variants.forced_variant()
         for name, int4 in (("w4a8", True), ("w8a8", False)):
+            if forced is not None:
+                choices[name] = f"{base}: {describe_plan(a8_variant_plan(int4))} ({woq_a8_variants.FORCE_ENV})"
+                continue
+            # the measured plan where more than one variant runs here, then AMX's threshold
+            measured = len(woq_a8_variants.variant_ops(int4, amx=False)) > 1
+            plan = f": {describe_plan(a8_measured_plan(int4))}" if measured else ""
             rows = a8_amx_min_rows(int4)
-            choices[name] = base + (f", AMX tiles from {rows} rows" if rows else
-                                    (", AMX measured slower" if amx_cpu.extension_a8() is not None else ""))
+            choices[name] = base + plan + (f", AMX tiles from {rows} rows" if rows else
+                                           (", AMX measured slower" if amx_cpu.extension_a8() is not None else ""))
     else:
         choices["w4a8, w8a8"] = "reference (int8 activations in torch)"
     if woq_cpu.bf16_pairs_available():

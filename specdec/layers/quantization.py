@@ -24,9 +24,9 @@
   depends on that row alone, bit for bit, and the rest of the forward computes a row the same
   way in a one-row decode and in a K+1-row verification (``tests/models/test_row_consistency.py``),
   so the int8 step function sees the same input in both and speculation stays lossless. A layer
-  whose shape the format does not take (in_features not a multiple of 64) stays weight-only. On AMX
-  CPUs the kernel's AMX path (the same values bit for bit) runs from the row count measured faster
-  (``cpu_kernel_choice.a8_amx_min_rows``).
+  whose shape the format does not take (in_features not a multiple of 64) stays weight-only. Each row
+  count runs the kernel variant measured fastest here (``cpu_kernel_choice.a8_row_ops``: 512- or
+  256-bit VNNI, bf16 dot products, AMX tiles; the same values bit for bit).
 - ``DynamicInt8Linear`` (``"int8_dynamic"``): int8 weights (per-channel) and per-call int8
   activations through PyTorch's fbgemm dynamic-quantized linear; 2-3x faster than packed bf16
   at 1-6 rows on the development CPU. Activation quantization changes numerics more than
@@ -265,13 +265,14 @@ class WeightOnlyLinear(nn.Module):
         ops = woq_cpu.extension_a8() if self._buffers["a8_layout"].device.type == "cpu" else None
         if ops is None:
             return lambda x: woq_cpu.linear_a8(x, weight, bias)  # the reference off CPU
-        op, args = ops.a8_linear.default, woq_cpu.a8_kernel_args(weight)
-        amx_rows = cpu_kernel_choice.a8_amx_min_rows(self.int4)
-        if amx_rows is None:
+        args = woq_cpu.a8_kernel_args(weight)
+        # the variant measured fastest at each row count (AMX among them): the same values bit for bit
+        by_rows = cpu_kernel_choice.a8_row_ops(self.int4)
+        if len(set(by_rows)) == 1:
+            op = by_rows[0]
             return lambda x: op(x, *args, bias)
-        # the AMX path from the measured row count on: the same values bit for bit, fewer cycles per row
-        amx_op, amx_inputs = amx_cpu.extension_a8().a8_linear_amx.default, amx_rows * self.in_features
-        return lambda x: (amx_op if x.numel() >= amx_inputs else op)(x, *args, bias)
+        last, k = len(by_rows) - 1, self.in_features
+        return lambda x: by_rows[min(x.numel() // k, last)](x, *args, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:

@@ -50,10 +50,11 @@ class _EngineCollector:
         yield per_pos
         yield self._family(c, "spec_decode_num_emitted_tokens", "Tokens emitted by verification steps.",
                            s.get("num_emitted_tokens", 0))
-        yield self._family(g, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
-                           s.get("kv_cache_usage", 0.0))
+        yield self._family(g, "kv_cache_usage_perc", "Fraction of the KV cache's memory in use (0..1): every "
+                           "group's blocks, by their bytes.", s.get("kv_cache_usage", 0.0))
         yield self._family(g, "kv_cache_free_blocks", "Free KV-cache blocks.", s.get("num_free_kv_blocks", 0))
         yield self._family(g, "kv_cache_total_blocks", "All KV-cache blocks.", s.get("num_kv_blocks", 0))
+        yield from self._kv_groups(s.get("kv_cache_groups", {}))
         yield self._family(g, "num_requests_running", "Sequences in the running batch.", s.get("num_running", 0))
         yield self._family(g, "num_requests_waiting", "Sequences waiting for a batch slot.", s.get("num_waiting", 0))
         yield self._family(g, "num_requests_in_flight", "Prompts submitted to the engine and not yet finished.",
@@ -64,6 +65,18 @@ class _EngineCollector:
                            s.get("admission_in_use", 0))
         yield self._family(g, "admission_waiting", "Requests waiting for admission slots (policy 'wait').",
                            s.get("admission_waiting", 0))
+
+    def _kv_groups(self, groups: dict):
+        """Per KV cache group (``engine/kv_layout.py``: one per attention window of a hybrid model)."""
+        label = "kv_cache_group"
+        for name, doc, key in (("kv_cache_group_usage_perc", "Fraction of a KV cache group's blocks in use (0..1).",
+                                "usage"),
+                               ("kv_cache_group_free_blocks", "Free blocks of a KV cache group.", "num_free_blocks"),
+                               ("kv_cache_group_total_blocks", "All blocks of a KV cache group.", "num_blocks")):
+            fam = GaugeMetricFamily(PREFIX + name, doc, labels=[*self.labels, label])
+            for group, stats in groups.items():
+                fam.add_metric([*self.labels.values(), group], stats[key])
+            yield fam
 
 
 class ServerMetrics:

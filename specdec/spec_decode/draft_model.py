@@ -1,7 +1,9 @@
 """Draft-model proposer: a small model with its own paged KV cache drafts K tokens per request.
 
 The draft cache has as many blocks as the target's and uses the same block ids, so the
-target's block table addresses both. A proposal runs right after a step's verification.
+target's block table addresses both; a draft with sliding-window layers keeps them in the KV
+cache group of their window (``engine/kv_layout.py``), addressed by that group's block tables.
+A proposal runs right after a step's verification.
 ``state.num_draft_computed_tokens`` counts the tokens whose draft KV is valid; it is clipped
 to the target's ``num_computed_tokens`` (positions past it held rejected drafts), and the
 first pass catches up on whatever the draft has not seen (accepted and bonus tokens, a
@@ -18,6 +20,7 @@ request's tokens; the draft KV there is scratch, recomputed by the next catch-up
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -43,6 +46,9 @@ class DraftModelProposer(Proposer):
         self.tree_topk = tree_topk
         self.tree_depth = tree_depth
         self.tree_nodes = tree_nodes
+        # a chain stops drafting a request once the draft's top-1 probability falls below this
+        # (0: always K); see ``_confident``
+        self.confidence_threshold = 0.0
 
     def _forward(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits [N, target vocab], the pass's hidden states [T, H]: read by EAGLE's next pass only)."""
@@ -85,6 +91,8 @@ class DraftModelProposer(Proposer):
         for step in range(max(ks)):
             if step > 0:
                 prev_rows, rows = rows, [j for j in rows if ks[j] > step]
+                if not rows:
+                    break
                 batch = self._next_batch(reqs, rows, prev_rows, [tokens_per_pass[-1][j] for j in rows], step,
                                          block_tables, predicted)
             logits, hidden = self._forward(batch)  # [len(rows), V]
@@ -102,6 +110,10 @@ class DraftModelProposer(Proposer):
                     greedy = sub.temperature == 0
                     tok = torch.where(greedy, logits.argmax(dim=-1), tok)
             tok_list = tok.tolist()
+            if self.confidence_threshold > 0.0 and step + 1 < max(ks):
+                for j, sure in zip(rows, self._confident(logits)):
+                    if not sure:
+                        ks[j] = step + 1
             full = [0] * len(reqs)
             for j, t in zip(rows, tok_list):
                 full[j] = t
@@ -113,6 +125,16 @@ class DraftModelProposer(Proposer):
         self._finish(reqs, ks)
         return DraftProposal(drafts, self._flat_probs(probs_per_pass, ks, active, len(requests), meta),
                              num_first_pass_rows=first_pass_rows)
+
+    def _confident(self, logits: torch.Tensor) -> list[bool]:
+        """Per row of logits [N, V]: whether the draft's top-1 probability (temperature 1) reaches
+        ``confidence_threshold``. A draft unsure of its token is likely rejected there, and every
+        draft after a rejection is verified for nothing. Lossless whatever it decides: at each
+        position the target either verifies a draft token drawn from q or samples from p itself,
+        and both emit p."""
+        lp = logits.float()
+        top = lp.max(dim=-1).values - torch.logsumexp(lp, dim=-1)
+        return (top >= math.log(self.confidence_threshold)).tolist()
 
     # ---- token trees ----
     def _propose_tree(self, requests: list[CachedRequestState], active: list[int], slots: list[int],
@@ -148,6 +170,7 @@ class DraftModelProposer(Proposer):
             if depth == max_depth:
                 break
             feeds, starts, positions, masks, tables, rows, parent_rows = [], [], [], [], [], [], []
+            group_tables = []
             for j, t in enumerate(trees):
                 if depth >= depth_cap[j]:
                     continue
@@ -161,11 +184,13 @@ class DraftModelProposer(Proposer):
                 positions.append([bases[j] + depth - 1] * len(frontier))
                 masks.append((bases[j], t.fed_mask(frontier)))
                 tables.append(block_tables[j])
+                group_tables.append(reqs[j].group_block_ids)
                 rows.extend(t.row_of[t.parents[n]] if t.parents[n] >= 0 else j for n in frontier)
                 parent_rows.extend((j, n) for n in frontier)
             if not feeds:
                 break
-            batch = self.runner.prepare(feeds, starts, tables, [list(range(len(f))) for f in feeds], positions, masks)
+            batch = self.runner.prepare(feeds, starts, tables, [list(range(len(f))) for f in feeds], positions, masks,
+                                        group_block_tables=group_tables if self.runner.num_kv_groups > 1 else None)
             self._tree_features(batch, hidden, rows)
             logits, hidden = self._forward(batch)
             hidden = self._pass_hidden(batch, hidden)
@@ -203,17 +228,23 @@ class DraftModelProposer(Proposer):
         """Each request's draft blocks: the target's (the caches share block ids)."""
         return [r.block_ids for r in reqs]
 
+    def _group_tables(self, reqs: list[CachedRequestState]) -> list[tuple[list[int], ...]] | None:
+        """Each request's blocks in the draft's other KV cache groups (None: the draft has one)."""
+        return [r.group_block_ids for r in reqs] if self.runner.num_kv_groups > 1 else None
+
     def _first_batch(self, reqs: list[CachedRequestState], block_tables):
         """Catch up on unseen tokens; the last row drafts the first token."""
         starts = [min(r.num_draft_computed_tokens, r.num_computed_tokens) for r in reqs]
         feeds = [r.all_token_ids[s:] for r, s in zip(reqs, starts)]
-        return self.runner.prepare(feeds, starts, block_tables, [[len(f) - 1] for f in feeds])
+        return self.runner.prepare(feeds, starts, block_tables, [[len(f) - 1] for f in feeds],
+                                   group_block_tables=self._group_tables(reqs))
 
     def _next_batch(self, reqs, rows, prev_rows, tokens, step: int, block_tables, predicted=None):
         """Feed draft ``step`` (at position num_tokens + step - 1 + row_shift) for the requests in
         ``rows`` (``prev_rows`` drafted in the last pass; ``predicted``: that pass's ``_pass_hidden``)."""
         return self.runner.prepare([[t] for t in tokens], [reqs[j].num_tokens + step - 1 + self.row_shift for j in rows],
-                                   [block_tables[j] for j in rows], [[0]] * len(rows))
+                                   [block_tables[j] for j in rows], [[0]] * len(rows),
+                                   group_block_tables=self._group_tables([reqs[j] for j in rows]))
 
     def _finish(self, reqs: list[CachedRequestState], ks: list[int]) -> None:
         for r, k in zip(reqs, ks):

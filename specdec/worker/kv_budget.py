@@ -5,9 +5,11 @@
 other engines), never more than is free (memory the caching allocator holds for no tensor counts
 as free); on CPU otherwise 2 GiB or what ``max_num_seqs`` sequences need. Whatever the budget, one
 max_model_len sequence must fit, counting for a sliding-window group only the blocks its window
-keeps (``engine/kv_layout.py``).
+keeps (``engine/kv_layout.py``; a sliding group holding a draft model's layers: all of them).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -55,9 +57,9 @@ def kv_layout(cfg: EngineConfig, device, groups: tuple[KVGroup, ...], bytes_per_
               max_model_len: int, max_k: int) -> KVLayout:
     """Each group's pool; ``bytes_per_block``: per group, one block of every cache reading its table."""
     if len(groups) == 1:
-        n = num_kv_blocks(cfg, device, bytes_per_block[0], max_model_len, max_k, groups[0].window)
-        return KVLayout(cfg.block_size, (KVGroup(groups[0].window, groups[0].layers, n, bytes_per_block[0]),))
-    per_seq = [blocks_per_sequence(cfg, max_model_len, max_k, g.window) for g in groups]
+        n = num_kv_blocks(cfg, device, bytes_per_block[0], max_model_len, max_k, groups[0].blocks_per_sequence_window)
+        return KVLayout(cfg.block_size, (replace(groups[0], num_blocks=n, bytes_per_block=bytes_per_block[0]),))
+    per_seq = [blocks_per_sequence(cfg, max_model_len, max_k, g.blocks_per_sequence_window) for g in groups]
     budget, setting = _budget(cfg, device, sum(n * b for n, b in zip(per_seq, bytes_per_block)))
     try:
         sized = split_kv_budget(budget, groups, bytes_per_block, per_seq, cfg.max_num_seqs, cfg.block_size)

@@ -8,7 +8,8 @@ every request feeding the same number of rows q: 1 for decode and for a draft's 
 passes, K + 1 for verification — at a ladder of batch sizes; ``forward`` replays the smallest
 graph that fits and runs everything else (prefill chunks, mixed steps, larger batches) eagerly.
 ``enable_tree_graphs`` adds graphs of token-tree steps at a padded maximum shape
-(``specdec.worker.tree_graph``).
+(``specdec.worker.tree_graph``). A hybrid model's KV cache groups each get their own static block
+table and slot buffers (``block_tables_<g>``, ``slot_mapping_<g>`` for group g >= 1), filled per step.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import torch
 from specdec.engine.kv_layout import KVLayout
 from specdec.layers.attention import AttentionMetadata
 from specdec.layers.lora import LoRAMapping
+from specdec.worker.graph_kv_groups import (group_graph_inputs, group_pad_values, group_static_inputs,
+                                            max_table_width, with_window_views)
 
 
 @dataclass
@@ -133,6 +136,11 @@ class ModelRunner:
     def num_kv_groups(self) -> int:
         return max(1, len(self.kv_groups))
 
+    @property
+    def group_windows(self) -> list[int | None]:
+        """The windows of KV cache groups 1.. (the keys of ``AttentionMetadata.window_views``)."""
+        return [g.window for g in self.kv_groups[1:]]
+
     def _group_view(self, attn: AttentionMetadata, block_tables: list[list[int]], start_positions: list[int],
                     token_ids: list[list[int]]) -> AttentionMetadata:
         """The step's metadata for the layers of another KV group: its block tables and slots."""
@@ -168,7 +176,8 @@ class ModelRunner:
             logits, exported = graph.run(meta.num_reqs, num_output_rows=len(batch.input_ids),
                                          input_ids=batch.input_ids, positions=batch.positions,
                                          slot_mapping=meta.slot_mapping, seq_lens=meta.seq_lens,
-                                         block_tables=meta.block_tables, **features)
+                                         block_tables=meta.block_tables, **features,
+                                         **group_graph_inputs(meta, self.group_windows))
             return logits[batch.logits_indices], exported  # logits copied: the next replay reuses the buffer
         exported = None
         if batch.features is not None:
@@ -237,7 +246,8 @@ class ModelRunner:
             runner = GraphRunner(
                 partial(self._graph_forward, q), partial(self._static_inputs, q), batch_sizes, self.device,
                 # pad rows write no KV (slot -1) and see q keys of block 0, so no row attends to nothing
-                pad_values={"slot_mapping": -1, "seq_lens": q}, use_graphs=use_graphs)
+                pad_values={"slot_mapping": -1, "seq_lens": q, **group_pad_values(self.group_windows)},
+                use_graphs=use_graphs)
             runner.capture()
             self.graphs[q] = runner
 
@@ -251,7 +261,8 @@ class ModelRunner:
         from specdec.worker.tree_graph import TreeGraph
 
         self.tree_graph = TreeGraph(self.model, self.kv_caches, self.block_size, self.device, batch_sizes,
-                                    max_query_len, max_tree_keys, max_blocks_per_seq, use_graphs, max_rows)
+                                    max_query_len, max_tree_keys, max_blocks_per_seq, use_graphs, max_rows,
+                                    group_windows=self.group_windows)
 
     def _static_inputs(self, q: int, batch_size: int) -> dict[str, torch.Tensor]:
         def zeros(*shape):
@@ -263,16 +274,18 @@ class ModelRunner:
         if self.graph_feature_size:  # pad rows read zero features
             inputs["features"] = torch.zeros(batch_size * q, self.graph_feature_size, dtype=self.dtype,
                                              device=self.device)
-        return inputs
+        return {**inputs, **group_static_inputs(self.group_windows, batch_size, batch_size * q,
+                                                self.graph_max_blocks, self.device)}
 
-    def _graph_forward(self, q: int, input_ids, positions, slot_mapping, seq_lens, block_tables, features=None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _graph_forward(self, q: int, input_ids, positions, slot_mapping, seq_lens, block_tables, features=None,
+                       **group_inputs) -> tuple[torch.Tensor, torch.Tensor]:
         batch_size = seq_lens.shape[0]
         qsl = list(range(0, (batch_size + 1) * q, q))
-        attn = AttentionMetadata(
+        attn = with_window_views(AttentionMetadata(
             query_start_loc=torch.arange(0, (batch_size + 1) * q, q, device=self.device), seq_lens=seq_lens,
             block_tables=block_tables, slot_mapping=slot_mapping, query_start_loc_cpu=qsl,
-            seq_lens_cpu=[self.graph_max_blocks * self.block_size] * batch_size, block_size=self.block_size)
+            seq_lens_cpu=[self.graph_max_blocks * self.block_size] * batch_size, block_size=self.block_size),
+            self.group_windows, group_inputs)
         if features is not None:
             hidden = exported = self.model(input_ids, positions, self.kv_caches, attn, features=features)
         elif self.aux_layers:
@@ -289,7 +302,7 @@ class ModelRunner:
             return None
         graph = self.graphs.get(meta.uniform_query_len)
         if graph is None or graph.padded_size(meta.num_reqs) is None \
-                or meta.block_tables.shape[1] > self.graph_max_blocks:
+                or max_table_width(meta) > self.graph_max_blocks:
             return None
         return graph
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import EngineConfig
-from specdec.engine.kv_layout import KVGroup, KVLayout, one_group
+from specdec.engine.kv_layout import KVGroup, KVLayout, with_draft_layers
 from specdec.layers.quantization import prepare_for_inference
 from specdec.models.loader import load_model, safetensors_files
 from specdec.models.memory_check import check_fits_in_memory
@@ -70,7 +70,11 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
         model = prepare_for_inference(model, plan.target.quantization, device, plan.target.bf16_weights)
         if target_weights is not None:
             target_weights.hold(key, model)
-    layout = _kv_layout(cfg, device, plan, model_config, kv_groups, draft.kv_bytes_per_block, max_model_len)
+    groups = _groups(model_config, kv_groups)
+    draft_windows = _draft_layer_windows(method, draft)
+    if draft_windows is not None:
+        groups = with_draft_layers(groups, draft_windows)
+    layout = _kv_layout(cfg, device, plan, model_config, groups, draft.kv_bytes_per_block, max_model_len)
     if tp is not None:  # one block pool per group serves every rank: the smallest cache decides
         layout = dataclasses.replace(layout, groups=tuple(
             dataclasses.replace(g, num_blocks=tp.min_int(g.num_blocks)) for g in layout.groups))
@@ -80,18 +84,35 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
         logger.info("%s", plan)
     runner = ModelRunner(model, num_blocks, cfg.block_size, device, plan.dtype, reuse_logits=True,
                          aux_layers=draft.aux_layers, kv_layout=layout)
-    draft_runner = ModelRunner(draft.model, num_blocks, cfg.block_size, device, draft.dtype) if draft.model else None
+    # a draft with layers outside the primary group reads those groups' tables too
+    grouped_draft = draft_windows is not None and any(g.draft_layers for g in layout.groups[1:])
+    draft_runner = ModelRunner(draft.model, num_blocks, cfg.block_size, device, draft.dtype,
+                               kv_layout=layout.draft_view() if grouped_draft else None) if draft.model else None
     if plan.graphs:
         _enable_graphs(cfg, runner, draft_runner, max_model_len, spec, method)
     proposer = method.build(spec, draft_runner, vocab_size, draft) if method is not None else None
+    if spec is not None and spec.draft_confidence_threshold:
+        proposer.confidence_threshold = spec.draft_confidence_threshold
     return WorkerParts(plan, device, plan.dtype, runner, draft_runner, method, proposer,
                        ChainVerifier(rejection_sampler(plan.sampler)), TreeVerifier())
 
 
-def _groups(plan: RuntimePlan, model_config, groups: tuple[KVGroup, ...]) -> tuple[KVGroup, ...]:
-    """The KV cache groups this worker allocates: one where graphs replay one static block table."""
-    groups = groups or (KVGroup(None, tuple(range(model_config.num_hidden_layers))),)
-    return one_group(groups) if plan.graphs else groups
+def _groups(model_config, groups: tuple[KVGroup, ...]) -> tuple[KVGroup, ...]:
+    """The target's KV cache groups (one of full attention when the builder gave none)."""
+    return groups or (KVGroup(None, tuple(range(model_config.num_hidden_layers))),)
+
+
+def _draft_layer_windows(method: SpecMethod | None, draft: DraftParts) -> list[int | None] | None:
+    """Each draft model layer's sliding window (None: full attention), for a draft whose cache
+    reads the target's block tables at the target's positions (same tokenizer, no target features:
+    its layers join the groups of their windows); None for every other proposer."""
+    if method is None or draft.model is None or not method.draft_kv_cache or method.needs_target_hidden \
+            or draft.vocab_bridge is not None:
+        return None
+    from specdec.models.llama import layer_sliding_window
+
+    config = draft.model.config
+    return [layer_sliding_window(config, i) for i in range(config.num_hidden_layers)]
 
 
 def _min_kv_bytes(cfg: EngineConfig, plan: RuntimePlan, model_config, groups: tuple[KVGroup, ...],
@@ -100,18 +121,19 @@ def _min_kv_bytes(cfg: EngineConfig, plan: RuntimePlan, model_config, groups: tu
     layer_bytes = ModelRunner.kv_bytes_per_block(model_config, cfg.block_size, plan.dtype) \
         // model_config.num_hidden_layers
     return layer_bytes * sum(blocks_per_sequence(cfg, max_model_len, plan.max_spec_slots, g.window) * len(g.layers)
-                             for g in _groups(plan, model_config, groups))
+                             for g in _groups(model_config, groups))
 
 
 def _kv_layout(cfg: EngineConfig, device, plan: RuntimePlan, model_config, groups: tuple[KVGroup, ...],
                draft_bytes_per_block: int, max_model_len: int) -> KVLayout:
-    """The KV pools: per group, its layers' share of the target's cache (the primary group's
-    blocks also hold the draft's); one group where graphs replay one static block table."""
+    """The KV pools: per group, its layers' share of the target's cache and its draft layers'
+    share of the draft's (a draft whose layers are not grouped: all of it in the primary group)."""
     num_layers = model_config.num_hidden_layers
-    groups = _groups(plan, model_config, groups)
     layer_bytes = ModelRunner.kv_bytes_per_block(model_config, cfg.block_size, plan.dtype) // num_layers
-    bytes_per_block = [len(g.layers) * layer_bytes + (draft_bytes_per_block if i == 0 else 0)
-                       for i, g in enumerate(groups)]
+    num_draft_layers = sum(len(g.draft_layers) for g in groups)
+    draft_bytes = [draft_bytes_per_block * len(g.draft_layers) // num_draft_layers if num_draft_layers else
+                   (draft_bytes_per_block if i == 0 else 0) for i, g in enumerate(groups)]
+    bytes_per_block = [len(g.layers) * layer_bytes + d for g, d in zip(groups, draft_bytes)]
     return kv_layout(cfg, device, groups, bytes_per_block, max_model_len, plan.max_spec_slots)
 
 

@@ -12,12 +12,15 @@ rows are shared out. So one graph serves any mix of tree, chain and decode reque
 fits, and needs the Triton attention kernel, which reads the ragged layout on the device.
 
 Padding rows and padding requests are harmless: padding rows lie past ``query_start_loc[-1]``
-(no attention output, KV write skipped by slot -1), padding requests own no rows.
+(no attention output, KV write skipped by slot -1), padding requests own no rows. A hybrid model's
+other KV cache groups read their own static tables and slots (``specdec.worker.graph_kv_groups``).
 """
 from __future__ import annotations
 
 import torch
 
+from specdec.worker.graph_kv_groups import (group_graph_inputs, group_pad_values, group_static_inputs,
+                                            max_table_width, with_window_views)
 from specdec.worker.graph_runner import GraphRunner
 from specdec.layers.attention import AttentionMetadata
 from specdec.layers.tree_mask import PackedTreeMask, num_words_for
@@ -26,7 +29,8 @@ from specdec.layers.tree_mask import PackedTreeMask, num_words_for
 class TreeGraph:
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
                  batch_sizes: list[int], max_query_len: int, max_tree_keys: int, max_blocks_per_seq: int,
-                 use_graphs: bool | None = None, max_rows: int | None = None):
+                 use_graphs: bool | None = None, max_rows: int | None = None, group_windows: list | tuple = ()):
+        """``group_windows``: the windows of the model's KV cache groups after the first."""
         if max_query_len < 1 or max_tree_keys < 1:
             raise ValueError(f"TreeGraph needs max_query_len >= 1 and max_tree_keys >= 1, got "
                              f"{max_query_len} and {max_tree_keys}")
@@ -41,14 +45,17 @@ class TreeGraph:
         self.max_rows = max_rows
         self.num_words = num_words_for(max_tree_keys)
         self.max_blocks = max_blocks_per_seq
+        self.group_windows = list(group_windows)
         self.runner = GraphRunner(self._forward, self._static_inputs, batch_sizes, device,
-                                  pad_values={"slot_mapping": -1, "seq_lens": 1}, use_graphs=use_graphs)
+                                  pad_values={"slot_mapping": -1, "seq_lens": 1,
+                                              **group_pad_values(self.group_windows)},
+                                  use_graphs=use_graphs)
         self.runner.capture()
 
     def fits(self, meta: AttentionMetadata) -> bool:
         """Whether a step's rows, masks and block table fit a captured shape."""
         padded = self.runner.padded_size(meta.num_reqs)
-        if padded is None or meta.max_query_len > self.max_query_len or meta.block_tables.shape[1] > self.max_blocks \
+        if padded is None or meta.max_query_len > self.max_query_len or max_table_width(meta) > self.max_blocks \
                 or meta.query_start_loc_cpu[-1] > self._rows(padded):
             return False
         widths = [m[1].shape[1] for m in meta.tree_masks or () if m is not None]
@@ -65,7 +72,8 @@ class TreeGraph:
         logits = self.runner.run(
             meta.num_reqs, num_output_rows=len(input_ids), input_ids=input_ids, positions=positions,
             slot_mapping=meta.slot_mapping, seq_lens=meta.seq_lens, block_tables=meta.block_tables,
-            query_start_loc=qsl, tree_base=tree.base, tree_bits=tree.bits)
+            query_start_loc=qsl, tree_base=tree.base, tree_bits=tree.bits,
+            **group_graph_inputs(meta, self.group_windows))
         return logits[logits_indices]
 
     def _rows(self, batch_size: int) -> int:
@@ -81,10 +89,11 @@ class TreeGraph:
         return {"input_ids": zeros(rows), "positions": zeros(rows), "slot_mapping": zeros(rows) - 1,
                 "seq_lens": zeros(batch_size) + 1, "block_tables": zeros(batch_size, self.max_blocks),
                 "query_start_loc": zeros(batch_size + 1), "tree_base": zeros(batch_size),
-                "tree_bits": zeros(rows, self.num_words, dtype=torch.int32)}
+                "tree_bits": zeros(rows, self.num_words, dtype=torch.int32),
+                **group_static_inputs(self.group_windows, batch_size, rows, self.max_blocks, self.device)}
 
     def _forward(self, input_ids, positions, slot_mapping, seq_lens, block_tables, query_start_loc, tree_base,
-                 tree_bits) -> torch.Tensor:  # [rows, V]
+                 tree_bits, **group_inputs) -> torch.Tensor:  # [rows, V]
         batch_size = seq_lens.shape[0]
         q = self.max_query_len
         attn = AttentionMetadata(
@@ -94,5 +103,6 @@ class TreeGraph:
             query_start_loc_cpu=list(range(0, (batch_size + 1) * q, q)),
             seq_lens_cpu=[self.max_blocks * self.block_size] * batch_size, block_size=self.block_size,
             tree_packed=PackedTreeMask(tree_base, tree_bits))
+        attn = with_window_views(attn, self.group_windows, group_inputs)
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, attn))
 

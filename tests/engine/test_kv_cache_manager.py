@@ -229,10 +229,12 @@ def test_without_a_window_nothing_is_freed_early():
 
 # ---- KV cache groups: a full-attention group and a sliding one, each on its own pool ----
 
-def hybrid(num_full: int, num_sliding: int, window: int) -> KVCacheManager:
+def hybrid(num_full: int, num_sliding: int, window: int, draft_layers: tuple[int, ...] = ()) -> KVCacheManager:
+    """Bytes per block: 100 full, 300 sliding. ``draft_layers``: a draft's layers in the sliding group."""
     from specdec.engine.kv_layout import KVGroup, KVLayout
 
-    return KVCacheManager.from_layout(KVLayout(BS, (KVGroup(None, (1,), num_full), KVGroup(window, (0,), num_sliding))))
+    return KVCacheManager.from_layout(KVLayout(BS, (KVGroup(None, (1,), num_full, 100),
+                                                    KVGroup(window, (0,), num_sliding, 300, draft_layers))))
 
 
 def test_only_the_sliding_group_frees_behind_its_window():
@@ -247,7 +249,12 @@ def test_only_the_sliding_group_frees_behind_its_window():
     assert len(kv.get_block_ids("a")) == len(kv.get_group_block_ids("a")[0]) == -(-r.num_tokens // BS)
     assert sum(b is not None for b in full.req_blocks["a"]) == -(-r.num_tokens // BS)  # everything kept
     assert sum(b is not None for b in sliding.req_blocks["a"]) <= -(-6 // BS) + 2  # the window's blocks
-    assert kv.usage == full.pool.usage > sliding.pool.usage
+    assert full.pool.usage > sliding.pool.usage
+    # vLLM's kv_cache_usage_perc: the bytes in use over all bytes, every group's blocks by their weight
+    used = [g.pool.num_blocks - g.pool.num_free_blocks for g in kv.groups]
+    assert kv.usage == pytest.approx((used[0] * 100 + used[1] * 300) / (16 * 100 + 16 * 300))
+    assert [(u.name, u.num_blocks, u.num_free_blocks) for u in kv.group_usage()] == [
+        ("full_attention", 16, 16 - used[0]), ("sliding_window_6", 16, 16 - used[1])]
     kv.free(r)
     assert full.pool.num_free_blocks == 16 and sliding.pool.num_free_blocks == 16
 
@@ -273,3 +280,45 @@ def test_a_prefix_hit_needs_every_group_to_resume_from_it():
     sliding.pool.reset_prefix_cache()  # the sliding blocks are evicted: nothing to resume from
     blocks, num_hit = kv.get_computed_blocks(b)
     assert num_hit == 0 and blocks == [[], []]
+
+
+def test_a_group_holding_draft_layers_frees_behind_what_the_draft_has_seen():
+    """The draft catches up on unseen tokens only when it drafts: until then (a prompt, steps that
+    draft nothing) its window's keys are kept; after, blocks behind its window are freed."""
+    kv = hybrid(num_full=16, num_sliding=16, window=4, draft_layers=(0,))
+    sliding = kv.groups[1]
+    r = req("a", range(16))
+    admit(kv, r)
+    assert kv.free_outside_window(r) == 0  # the draft has seen nothing: all 4 blocks kept
+    for step in range(8):  # decode; the draft drafts from step 4 on
+        assert kv.allocate_slots(r, 1)
+        r.append_output_token(1)
+        r.num_computed_tokens = r.num_tokens - 1
+        if step >= 4:
+            kv.mark_draft_caught_up(r)
+        live = sum(b is not None for b in sliding.req_blocks["a"])
+        if step < 4:
+            assert live == -(-r.num_tokens // BS)
+    # what the draft may still read (from its last catch-up on, minus the window) stays
+    mark = sliding.req_draft_mark["a"]
+    assert mark == r.num_computed_tokens
+    assert kv.free_outside_window(r) > 0
+    assert all(b is not None for b in sliding.req_blocks["a"][(mark - 4 + 1) // BS:])
+    assert sum(b is not None for b in sliding.req_blocks["a"]) <= -(-4 // BS) + 2
+    kv.free(r)
+    assert "a" not in sliding.req_draft_mark and sliding.pool.num_free_blocks == 16
+
+
+def test_a_prefix_hit_in_a_group_holding_draft_layers_needs_every_block():
+    kv = hybrid(num_full=16, num_sliding=16, window=4, draft_layers=(0,))
+    a = req("a", range(16))
+    admit(kv, a)
+    kv.mark_draft_caught_up(a)
+    assert kv.free_outside_window(a) == 3  # blocks 0..2, behind the window: free, still cached
+    kv.free(a)
+    b = req("b", list(range(16)) + [5])
+    blocks, num_hit = kv.get_computed_blocks(b)
+    # the draft starts b over from its first token: the hit takes every block back
+    assert num_hit == 16 and None not in blocks[1] and len(blocks[1]) == 4
+    kv.groups[1].pool.reset_prefix_cache()  # a sliding block evicted: no hit
+    assert kv.get_computed_blocks(b)[1] == 0

@@ -1,7 +1,8 @@
 """KV cache groups: layers grouped by window, each group's need per sequence, the budget split."""
 import pytest
 
-from specdec.engine.kv_layout import KVGroup, group_blocks_per_sequence, kv_groups, one_group, split_kv_budget
+from specdec.engine.kv_layout import (KVGroup, KVLayout, group_blocks_per_sequence, kv_groups, split_kv_budget,
+                                     with_draft_layers)
 
 GEMMA3 = [512] * 5 + [None] + [512] * 5 + [None]  # five sliding layers to one global
 GPT_OSS = [128, None] * 3
@@ -22,10 +23,26 @@ def test_a_draft_cache_widens_the_primary_group():
     assert kv_groups(GPT_OSS, draft_window=None) == kv_groups(GPT_OSS)
 
 
-def test_one_group_where_per_group_tables_are_not_wired():
-    assert one_group(kv_groups(GPT_OSS)) == (KVGroup(None, tuple(range(6))),)
-    assert one_group(kv_groups(GEMMA3)) == (KVGroup(None, tuple(range(12))),)
-    assert one_group(kv_groups([64, 32])) == (KVGroup(64, (0, 1)),)
+def test_a_draft_models_layers_join_the_group_of_their_window():
+    # a Gemma 3 draft (two sliding layers around a global one) of a Gemma 3 target
+    groups = with_draft_layers(kv_groups(GEMMA3, draft_window=None), [512, None, 512])
+    assert groups == (KVGroup(None, (5, 11), draft_layers=(1,)), KVGroup(512, kv_groups(GEMMA3)[1].layers,
+                                                                          draft_layers=(0, 2)))
+    # a window no target group has: the primary group, which is at least as wide
+    assert with_draft_layers(kv_groups(GPT_OSS, draft_window=None), [64, None]) == (
+        KVGroup(None, (1, 3, 5), draft_layers=(0, 1)), KVGroup(128, (0, 2, 4)))
+    assert with_draft_layers(kv_groups([16, 16], draft_window=16), [16]) == (KVGroup(16, (0, 1), draft_layers=(0,)),)
+    # a group holding draft layers budgets a whole sequence: the draft catches up only when it drafts
+    assert [g.blocks_per_sequence_window for g in groups] == [None, None]
+    assert [g.blocks_per_sequence_window for g in kv_groups(GEMMA3)] == [None, 512]
+    # what the draft's runner reads: the draft layers as each group's layers
+    view = KVLayout(16, groups).draft_view()
+    assert [(g.window, g.layers, g.draft_layers) for g in view.groups] == [(None, (1,), ()), (512, (0, 2), ())]
+    assert view.layer_groups(3) == [1, 0, 1]
+
+
+def test_group_names_are_metric_labels():
+    assert [g.name for g in kv_groups(GEMMA3)] == ["full_attention", "sliding_window_512"]
 
 
 def test_a_sliding_group_needs_its_window_and_a_step_per_sequence():

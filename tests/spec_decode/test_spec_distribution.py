@@ -156,6 +156,7 @@ def check_speculative_samples_follow(llm: LLM, target: str, num_samples: int, wh
 
 TREE = dict(tree_topk=3, tree_nodes=7)  # token trees: children tried in turn against the residual
 DRAFT_VOCAB = dict(draft_vocab_size=20)  # the draft's LM head cut to 20 of the 30 tokens (q = 0 elsewhere)
+CONFIDENCE = dict(draft_confidence_threshold=0.3)  # chains cut where the draft's top-1 probability < 0.3
 
 
 @pytest.mark.parametrize("draft, num_samples, sampling, seed_base, tree", [
@@ -167,8 +168,10 @@ DRAFT_VOCAB = dict(draft_vocab_size=20)  # the draft's LM head cut to 20 of the 
     ("eagle3", 5000, dict(temperature=1.0), 50_000, {}),
     ("eagle3", 5000, dict(temperature=0.9, top_k=6, top_p=0.8), 60_000, TREE),
     ("noisy", 5000, dict(temperature=1.0), 70_000, DRAFT_VOCAB),
+    ("noisy", 5000, dict(temperature=1.0), 80_000, CONFIDENCE),
 ], ids=["unrelated-draft", "noisy-draft", "noisy-draft-topk-topp", "noisy-tree", "unrelated-tree-topk-topp",
-        "eagle3-head", "eagle3-tree-topk-topp", "noisy-draft-20-token-vocab"])
+        "eagle3-head", "eagle3-tree-topk-topp", "noisy-draft-20-token-vocab",
+        "noisy-draft-confidence-stop"])
 def test_speculative_sampling_matches_the_exact_target_distribution(char_models, draft, num_samples, sampling,
                                                                     seed_base, tree, tmp_path):
     target, drafts = char_models
@@ -190,6 +193,8 @@ def test_speculative_sampling_matches_the_exact_target_distribution(char_models,
     m = llm.get_metrics()
     assert m["num_draft_tokens"] > num_samples  # speculation really ran ...
     assert 0.02 < m["acceptance_rate"] < 0.9  # ... with both accepted and rejected drafts
+    if "draft_confidence_threshold" in tree:  # ... and chains cut short on some steps, not all
+        assert m["num_drafts"] < m["num_draft_tokens"] < K * m["num_drafts"]
 
     full = dict(temperature=1.0, top_k=0, top_p=1.0) | sampling
     p_value = chi_square_p(counts, exact_joint(target, prompt_ids, vocab, **full))

@@ -40,6 +40,10 @@
 // int4 by tdpbsud (u8 weights). The sums are exact integers, the same as the VNNI path's, and
 // the float scaling after them is the same instructions in the same order, so a8_linear_amx
 // equals a8_linear bit for bit and a caller may pick either per call by its row count.
+//
+// Variants (AVX-512 VNNI build; woq_a8_variants.h): a8_linear_vnni512_bcast, a8_linear_vnni256 and
+// a8_linear_bf16 run other instruction sequences for the same sums and scaling, equal to a8_linear
+// bit for bit; which runs at a row count is measured at load time.
 #include <immintrin.h>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -73,6 +77,8 @@ struct Args {
   int64_t ng, nsb, nab;  // groups, super-blocks and activation blocks of a row
   int64_t blk_bytes;
   float* y;
+  const uint16_t* xb = nullptr;   // the bf16 variant (woq_a8_variants.h): [M, K] bf16 activations
+  const float* xstart = nullptr;  // and its accumulators' starts [M, K / 32]
 };
 
 // Scale formats (the scales' dtype): float32 as is; float16 widened; int8 times the float32
@@ -180,6 +186,8 @@ void quantize_row(const float* row, int64_t K, bool int4, uint8_t* out, float* x
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * b + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(q1, shift)));
   }
 }
+
+#include "woq_a8_variants.h"
 
 #if defined(__AMX_INT8__)
 struct alignas(64) TileConfig {
@@ -425,47 +433,74 @@ void quantize_row(const float* row, int64_t K, bool int4, uint8_t* out, float* x
 
 #endif
 
+#if !defined(__AVX512VNNI__)
+enum A8Variant { kVnni512 = 0 };  // the AVX2 build has tile() alone
+
+template <bool INT4, int SF, int MB, int V>
+inline void tile_variant(const Args& a, int64_t blk) {
+  tile<INT4, SF, MB>(a, blk);
+}
+#endif
+
 // Blocks in parallel; one tile holds all M <= 9 rows, so each weight is loaded (and int4 unpacked)
-// once per call.
-template <bool INT4, int SF, int MB>
+// once per call. V: the tile's instruction sequence (A8Variant).
+template <bool INT4, int SF, int MB, int V>
 void run(const Args& a) {
   const int64_t blocks = (a.N + kBlock - 1) / kBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) tile<INT4, SF, MB>(a, blk);
+    for (int64_t blk = begin; blk < end; ++blk) tile_variant<INT4, SF, MB, V>(a, blk);
   });
 }
 
-template <bool INT4, int SF>
+template <bool INT4, int SF, int V>
 void run_rows(const Args& a, int64_t M) {
   switch (M) {
-    case 1: run<INT4, SF, 1>(a); break;
-    case 2: run<INT4, SF, 2>(a); break;
-    case 3: run<INT4, SF, 3>(a); break;
-    case 4: run<INT4, SF, 4>(a); break;
-    case 5: run<INT4, SF, 5>(a); break;
-    case 6: run<INT4, SF, 6>(a); break;
-    case 7: run<INT4, SF, 7>(a); break;
-    case 8: run<INT4, SF, 8>(a); break;
-    case 9: run<INT4, SF, 9>(a); break;
+    case 1: run<INT4, SF, 1, V>(a); break;
+    case 2: run<INT4, SF, 2, V>(a); break;
+    case 3: run<INT4, SF, 3, V>(a); break;
+    case 4: run<INT4, SF, 4, V>(a); break;
+    case 5: run<INT4, SF, 5, V>(a); break;
+    case 6: run<INT4, SF, 6, V>(a); break;
+    case 7: run<INT4, SF, 7, V>(a); break;
+    case 8: run<INT4, SF, 8, V>(a); break;
+    case 9: run<INT4, SF, 9, V>(a); break;
     default: break;
   }
 }
 
+// the variants a format takes (int8: vnni512 and vnni256); anything else runs tile()
+template <bool INT4, int SF>
+void run_variant(const Args& a, int64_t M, int variant) {
+#if defined(__AVX512VNNI__)
+  if (variant == kVnni256) return run_rows<INT4, SF, kVnni256>(a, M);
+  if constexpr (INT4) {
+    if (variant == kVnni512Bcast) return run_rows<INT4, SF, kVnni512Bcast>(a, M);
+    if (variant == kBf16) return run_rows<INT4, SF, kBf16>(a, M);
+  }
+#endif
+  run_rows<INT4, SF, kVnni512>(a, M);
+}
+
 template <bool INT4>
-void run_format(const Args& a, int64_t M, int sf) {
-  sf == kF32 ? run_rows<INT4, kF32>(a, M) : sf == kF16 ? run_rows<INT4, kF16>(a, M) : run_rows<INT4, kTwoLevel>(a, M);
+void run_format(const Args& a, int64_t M, int sf, int variant) {
+  sf == kF32 ? run_variant<INT4, kF32>(a, M, variant)
+             : sf == kF16 ? run_variant<INT4, kF16>(a, M, variant) : run_variant<INT4, kTwoLevel>(a, M, variant);
 }
 
 // more rows: passes of kMaxRows with their own Args offsets, the remainder last
 template <bool INT4>
-void run_all(const Args& a, int64_t M, int sf) {
+void run_all(const Args& a, int64_t M, int sf, int variant) {
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     Args part = a;
     part.xq += m0 * a.K;
     part.xs += m0 * a.nab;
     if (INT4) part.xsx += m0 * a.nab;
+    if (part.xb != nullptr) {
+      part.xb += m0 * a.K;
+      part.xstart += m0 * a.nab;
+    }
     part.y += m0 * a.N;
-    run_format<INT4>(part, std::min<int64_t>(kMaxRows, M - m0), sf);
+    run_format<INT4>(part, std::min<int64_t>(kMaxRows, M - m0), sf, variant);
   }
 }
 
@@ -563,10 +598,14 @@ Quantized quantize(const at::Tensor& xf, bool int4) {
 
 namespace {
 
-// amx: the AMX path (built with -mamx-int8 only); its activations are s8 for both formats
+constexpr int kAmx = -1;  // a8_linear_impl's variant: the AMX path (built with -mamx-int8 only)
+
+// variant: an A8Variant or kAmx (whose activations are s8 for both formats); every one gives the
+// same values bit for bit
 at::Tensor a8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                           const at::Tensor& offsets, const at::Tensor& scales_sup, const at::Tensor& offsets_sup,
-                          int64_t K, int64_t N, const c10::optional<at::Tensor>& bias, bool amx) {
+                          int64_t K, int64_t N, const c10::optional<at::Tensor>& bias, int variant) {
+  const bool amx = variant == kAmx;
   const bool int4 = weight.scalar_type() == at::kByte;
   TORCH_CHECK(int4 || weight.scalar_type() == at::kChar, "woq a8: int8 or packed uint8 int4 weight");
   check_shapes(weight, scales, offsets, scales_sup, offsets_sup, K, N, int4);
@@ -578,20 +617,31 @@ at::Tensor a8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const a
   const Quantized q = quantize(xf, int4 || amx);
   at::Tensor y = at::empty({M, N}, xf.options());
   const bool two = sf == kTwoLevel;
-  const Args a{q.xq.data_ptr<uint8_t>(), q.xs.data_ptr<float>(), q.xsx.data_ptr<float>(),
-               static_cast<const uint8_t*>(weight.data_ptr()), scales.data_ptr(), int4 ? offsets.data_ptr() : nullptr,
-               two ? scales_sup.data_ptr<float>() : nullptr, two && int4 ? offsets_sup.data_ptr<float>() : nullptr,
-               K, G, two ? K / scales_sup.size(1) : K, N, std::min<int64_t>(G, kABlock),
-               K / G, two ? scales_sup.size(1) : 0, K / kABlock, kBlock * (int4 ? K / 2 : K), y.data_ptr<float>()};
+  Args a{q.xq.data_ptr<uint8_t>(), q.xs.data_ptr<float>(), q.xsx.data_ptr<float>(),
+         static_cast<const uint8_t*>(weight.data_ptr()), scales.data_ptr(), int4 ? offsets.data_ptr() : nullptr,
+         two ? scales_sup.data_ptr<float>() : nullptr, two && int4 ? offsets_sup.data_ptr<float>() : nullptr,
+         K, G, two ? K / scales_sup.size(1) : K, N, std::min<int64_t>(G, kABlock),
+         K / G, two ? scales_sup.size(1) : 0, K / kABlock, kBlock * (int4 ? K / 2 : K), y.data_ptr<float>()};
+  at::Tensor xb, xstart;  // the bf16 variant's activations, alive until the kernel returns
+#if defined(__AVX512VNNI__)
+  if (int4 && variant == kBf16) {
+    TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "woq a8: the bf16 variant needs a CPU with avx512_bf16");
+    xb = at::empty({M, K}, xf.options().dtype(at::kShort));
+    xstart = at::empty({M, K / kABlock}, xf.options());
+    bf16_activations(a, M, reinterpret_cast<uint16_t*>(xb.data_ptr<int16_t>()), xstart.data_ptr<float>());
+    a.xb = reinterpret_cast<const uint16_t*>(xb.data_ptr<int16_t>());
+    a.xstart = xstart.data_ptr<float>();
+  }
+#endif
 #if defined(__AMX_INT8__)
   if (amx) {
     int4 ? run_amx<true>(a, M, sf) : run_amx<false>(a, M, sf);
   } else {
-    int4 ? run_all<true>(a, M, sf) : run_all<false>(a, M, sf);
+    int4 ? run_all<true>(a, M, sf, variant) : run_all<false>(a, M, sf, variant);
   }
 #else
   TORCH_CHECK(!amx, "woq a8: built without AMX");
-  int4 ? run_all<true>(a, M, sf) : run_all<false>(a, M, sf);
+  int4 ? run_all<true>(a, M, sf, variant) : run_all<false>(a, M, sf, variant);
 #endif
   specdec_cpu_common::add_bias(y, bias);
   auto sizes = x.sizes().vec();
@@ -604,8 +654,23 @@ at::Tensor a8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const a
 at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                      const at::Tensor& offsets, const at::Tensor& scales_sup, const at::Tensor& offsets_sup,
                      int64_t K, int64_t N, const c10::optional<at::Tensor>& bias) {
-  return a8_linear_impl(x, weight, scales, offsets, scales_sup, offsets_sup, K, N, bias, false);
+  return a8_linear_impl(x, weight, scales, offsets, scales_sup, offsets_sup, K, N, bias, kVnni512);
 }
+
+#if defined(__AVX512VNNI__)
+// a8_linear through one of woq_a8_variants.h's tiles, equal to it bit for bit (int8 weights take
+// vnni256; the int4-only variants run a8_linear's tile on them)
+#define SPECDEC_A8_VARIANT(name, variant)                                                                          \
+  at::Tensor name(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& offsets, \
+                  const at::Tensor& scales_sup, const at::Tensor& offsets_sup, int64_t K, int64_t N,                  \
+                  const c10::optional<at::Tensor>& bias) {                                                           \
+    return a8_linear_impl(x, weight, scales, offsets, scales_sup, offsets_sup, K, N, bias, variant);                \
+  }
+SPECDEC_A8_VARIANT(a8_linear_vnni512_bcast, kVnni512Bcast)
+SPECDEC_A8_VARIANT(a8_linear_vnni256, kVnni256)
+SPECDEC_A8_VARIANT(a8_linear_bf16, kBf16)
+#undef SPECDEC_A8_VARIANT
+#endif
 
 #if defined(__AMX_INT8__)
 // a8_linear through AMX tiles, equal to it bit for bit; the process must hold AMX state
@@ -613,7 +678,7 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
 at::Tensor a8_linear_amx(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                          const at::Tensor& offsets, const at::Tensor& scales_sup, const at::Tensor& offsets_sup,
                          int64_t K, int64_t N, const c10::optional<at::Tensor>& bias) {
-  return a8_linear_impl(x, weight, scales, offsets, scales_sup, offsets_sup, K, N, bias, true);
+  return a8_linear_impl(x, weight, scales, offsets, scales_sup, offsets_sup, K, N, bias, kAmx);
 }
 #endif
 
@@ -631,6 +696,15 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
   m.def("a8_linear(Tensor x, Tensor weight, Tensor scales, Tensor offsets, Tensor scales_sup, Tensor offsets_sup, "
         "int K, int N, Tensor? bias=None) -> Tensor", &a8_linear);
   m.def("a8_quantize(Tensor x, bool int4) -> Tensor[]", &a8_quantize);
+#if defined(__AVX512VNNI__)
+#define SPECDEC_A8_ARGS \
+  "(Tensor x, Tensor weight, Tensor scales, Tensor offsets, Tensor scales_sup, Tensor offsets_sup, int K, int N, " \
+  "Tensor? bias=None) -> Tensor"
+  m.def("a8_linear_vnni512_bcast" SPECDEC_A8_ARGS, &a8_linear_vnni512_bcast);
+  m.def("a8_linear_vnni256" SPECDEC_A8_ARGS, &a8_linear_vnni256);
+  m.def("a8_linear_bf16" SPECDEC_A8_ARGS, &a8_linear_bf16);
+#undef SPECDEC_A8_ARGS
+#endif
 #if defined(__AMX_INT8__)
   m.def("a8_linear_amx(Tensor x, Tensor weight, Tensor scales, Tensor offsets, Tensor scales_sup, "
         "Tensor offsets_sup, int K, int N, Tensor? bias=None) -> Tensor", &a8_linear_amx);
