@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.layers.lora import LoRALinear
 
     bf16 = llm.engine.executor.driver_worker.apply_model(
-        lambda m: sum(x.a16 is not None for x in m.modules() if isinstance(x, LoRALinear)))
+        lambda m: sum(x.bf16 for x in m.modules() if isinstance(x, LoRALinear)))
     print(f"model {args.model}, batch {args.batch}, {args.adapters} adapters of rank {args.rank} on every module, "
           f"dtype {llm.engine.dtype}, adapters in bf16 on {bf16} linears")
     print(f"median tokens/s: base {b_med:.1f}, adapters {l_med:.1f}; ratio {ratio:.3f}; "

@@ -50,10 +50,16 @@ def time_row_kernels(calls: dict[str, Callable[[int, torch.Tensor], object]], k:
     process preempted is an outlier, not the kernel's cost)."""
     xs = {m: torch.randn(m, k).to(dtype) for m in rows}
     samples = {name: {m: [] for m in rows} for name in calls}
+    names = list(calls)
     turn = 0
-    for _ in range(passes):
+    for p in range(passes):
         for m in rows:
-            for name, call in calls.items():
+            # each pass starts with another kernel, and each kernel's first call at a row count is
+            # untimed: whichever kernel ran first would otherwise pay the threads' wake-up
+            for name in names[p % len(names):] + names[:p % len(names)]:
+                call = calls[name]
+                call(turn % copies, xs[m])
+                turn += 1
                 for _ in range(calls_per_pass):
                     start = time.perf_counter()
                     call(turn % copies, xs[m])
@@ -83,7 +89,7 @@ def bf16_amx_faster() -> bool:
     return times is not None and pick_row_kernel(times) == "amx"
 
 
-A8_AMX_ROWS = (1, 2, 4, 8, 16)  # row counts at which the int8-activation kernels are compared
+A8_AMX_ROWS = (1, 2, 4, 8, 16, 64)  # row counts at which the int8-activation kernels are compared
 
 
 def min_rows_faster(seconds: dict[str, dict[int, float]], fast: str, slow: str, margin: float = 0.05) -> int | None:
@@ -113,9 +119,9 @@ def a8_timing_weights(int4: bool) -> list[tuple]:
 
 
 # the row counts the int8-activation variants are timed at: a decode, verifications of K = 1, 3, 5, 7
-# drafts, a tree's 16 nodes (A8_AMX_ROWS among them); a call of m rows runs the choice of the smallest
-# of them >= m (past the last: the last)
-A8_VARIANT_ROWS = (1, 2, 4, 6, 8, 16)
+# drafts, a tree's 16 nodes, a prefill chunk (A8_AMX_ROWS among them); a call of m rows runs the choice
+# of the smallest of them >= m (past the last: the last)
+A8_VARIANT_ROWS = (1, 2, 4, 6, 8, 16, 64)
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,12 +15,12 @@ pass, a calibration) runs the base model. Rows of one adapter go through one mat
 (grouped by slot), never a merge per request.
 
 On a CPU whose base linear streams bf16 weights in pair layout (``Bf16WeightLinear``, what
-``dtype="auto"`` builds), the adapters are kept the same way: A and B in bf16 through the same
-row-consistent pair kernel (a row's delta is independent of the call's rows, so speculative
-verification equals plain decoding), every step on the masked path (the kernel adds the other
-slots' exact zeros in a fixed order), with the parts' B as one block-diagonal matrix (one
-kernel call per fused linear). Half the bytes of float32 adapters, which a decode step streams
-whole.
+``dtype="auto"`` builds) and that has bf16 dot products, the adapters are kept the same way (bf16,
+pair layout, half the bytes of float32 adapters, which a decode step streams whole) and each call
+adds the whole batch's delta in one kernel call (``kernels/cpu/lora_cpu``): rows grouped by slot,
+each multiplied by its own slot's A and B only, so a step reads the adapters present in it and no
+zeros; a row's delta is the same alone and in any batch (speculative verification equals plain
+decoding).
 
 Tensor parallelism: a column-parallel linear keeps every A whole and this rank's rows of B; a
 row-parallel one (``o_proj``, ``down_proj``) keeps this rank's input columns of A, so ``x A^T``
@@ -52,9 +52,24 @@ DENSE_MAX_ELEMENTS = 1 << 14
 class LoRAMapping:
     """Which adapter slot each row of a step's flat batch uses."""
     row_slots: torch.Tensor  # [T] int64, slot of each row (-1: base)
-    # (slot, its rows [n] int64, or None when it owns every row), one entry per slot in use
-    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    _host_slots: list[int] | None = field(default=None, repr=False)  # row_slots as a host list
+    _groups: list | None = field(default=None, repr=False)
     _masks: dict = field(default_factory=dict, repr=False)  # (slots, width, dtype) -> mask, shared by layers
+
+    @property
+    def groups(self) -> list[tuple[int, torch.Tensor | None]]:
+        """(slot, its rows [n] int64, or None when it owns every row), one entry per slot in use, in slot
+        order; made on first use (the bf16 kernel groups the rows itself) and shared by the layers."""
+        if self._groups is None:
+            slots = self._host_slots if self._host_slots is not None else self.row_slots.tolist()
+            rows_of: dict[int, list[int]] = {}
+            for row, slot in enumerate(slots):
+                if slot != NO_ADAPTER:
+                    rows_of.setdefault(slot, []).append(row)
+            device = self.row_slots.device
+            self._groups = [(slot, None if len(rows) == len(slots) else torch.tensor(rows, device=device))
+                            for slot, rows in sorted(rows_of.items())]
+        return self._groups
 
     def slot_mask(self, num_parts: int, num_slots: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
         """[T, num_parts * num_slots * rank]: 1 where the column (part-major, then slot, then rank)
@@ -73,12 +88,7 @@ class LoRAMapping:
         rows: list[int] = []
         for slot, start, end in zip(request_slots, query_start_loc, query_start_loc[1:]):
             rows.extend([slot] * (end - start))
-        row_slots = torch.tensor(rows, dtype=torch.int64)
-        groups = []
-        for slot in sorted(set(request_slots) - {NO_ADAPTER}):
-            index = (row_slots == slot).nonzero().flatten()
-            groups.append((slot, None if len(index) == len(rows) else index.to(device)))
-        return cls(row_slots.to(device), groups)
+        return cls(torch.tensor(rows, dtype=torch.int64, device=device), rows)
 
 
 class LoRAContext:
@@ -94,7 +104,9 @@ class LoRALinear(nn.Module):
     below it zero-padded): ``lora_a`` [P * L * R, in] holds part p's A for slot l in rows
     ``(p * L + l) * R + j``; ``lora_bt[p]`` [L * R, out_p] holds its B transposed in rows
     ``l * R + j``. One matmul gives every slot's ``x A^T``; masking each row to its own slot's
-    columns and multiplying by each part's ``lora_bt`` gives the whole batch's delta."""
+    columns and multiplying by each part's ``lora_bt`` gives the whole batch's delta. With ``bf16``
+    (module doc) bf16 copies in ``kernels/cpu/lora_cpu``'s layout, ``a_pairs`` and ``b_pairs``, serve
+    every forward instead, one kernel call per step."""
 
     def __init__(self, base: nn.Module, parts: tuple[str, ...], out_ranges: list[tuple[int, int]],
                  in_range: tuple[int, int], max_loras: int, max_rank: int, context: LoRAContext,
@@ -108,6 +120,7 @@ class LoRALinear(nn.Module):
         self.in_range = in_range
         sizes = [end - start for start, end in out_ranges]
         self.out_offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]  # local output range of each part
+        self.part_sizes = sizes
         self.context = context
         self.tp = tp
         self.max_loras, self.max_rank = max_loras, max_rank
@@ -118,10 +131,18 @@ class LoRALinear(nn.Module):
         for p, size in enumerate(sizes):  # [L * R, out_p] each
             self.register_buffer(f"lora_bt{p}", torch.zeros(width, size, dtype=dtype, device=device), persistent=False)
         self.slot_ranks = [0] * max_loras  # the largest rank loaded per slot (0: empty)
-        # bf16 pair-layout copies of lora_a and each lora_bt (None: float32 matmuls), rebuilt by set_slot
-        self.bf16 = _bf16_pairs_fit(base, self.lora_a.shape, [(size, width) for size in sizes])
-        self.a16: nn.Module | None = None
-        self.b16: nn.Module | None = None
+        # bf16 pair-layout copies for the bf16 kernel (``_bf16_fits``), updated slot by slot in set_slot
+        self.bf16 = tp is None and _bf16_fits(base, in_range[1] - in_range[0], sizes)
+        self.add_delta = None  # the kernel's op, called once per forward
+        if self.bf16:
+            from specdec.kernels.cpu import lora_cpu
+
+            rank = lora_cpu.padded_rank(max_rank)
+            self.register_buffer("a_pairs", torch.zeros(len(parts) * max_loras * rank, in_range[1] - in_range[0],
+                                                        dtype=torch.bfloat16, device=device), persistent=False)
+            self.register_buffer("b_pairs", torch.zeros(max_loras * sum(sizes), rank, dtype=torch.bfloat16,
+                                                        device=device), persistent=False)
+            self.add_delta = lora_cpu.extension().lora_bf16_add_.default
 
     @property
     def lora_bt(self) -> list[torch.Tensor]:
@@ -143,17 +164,32 @@ class LoRALinear(nn.Module):
             self.lora_bt[p][first:first + r].copy_(b[start:end].T)
             rank = max(rank, r)
         self.slot_ranks[slot] = rank
-        if self.bf16:  # B block-diagonal over the parts: one kernel call per step for a fused linear
-            self.a16 = _bf16_linear(self.lora_a)
-            self.b16 = _bf16_linear(torch.block_diag(*[bt.T for bt in self.lora_bt]))  # [out, P * L * R]
+        if self.bf16:
+            self._pack_slot(slot)
+
+    def _pack_slot(self, slot: int) -> None:
+        """Copy ``slot``'s A and B into the bf16 pair-layout buffers (``kernels/cpu/lora_cpu``'s layout)."""
+        from specdec.kernels.cpu import lora_cpu
+
+        rank, first, num_parts = self.b_pairs.shape[1], slot * self.max_rank, len(self.parts)
+        for p in range(num_parts):
+            row = (p * self.max_loras + slot) * rank
+            a = self.lora_a[p * self.part_width + first:p * self.part_width + first + self.max_rank]
+            self.a_pairs[row:row + rank].copy_(lora_cpu.pack_a(a, rank))
+        n = self.out_offsets[-1]
+        b_parts = [bt[first:first + self.max_rank].T for bt in self.lora_bt]
+        self.b_pairs[slot * n:(slot + 1) * n].copy_(lora_cpu.pack_b(b_parts, rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
         out = self.base(x)
         mapping = self.context.mapping
         if mapping is None:
             return out
-        if self.a16 is not None:
-            return self._bf16_masked(x, out, mapping)
+        if self.add_delta is not None:
+            if out.dtype != torch.float32 or not out.is_contiguous():
+                return self._add_delta_widened(out, x, mapping)
+            self.add_delta(out, x, self.a_pairs, self.b_pairs, mapping.row_slots, self.max_loras, self.part_sizes)
+            return out
         if x.shape[0] * self.lora_a.shape[0] <= DENSE_MAX_ELEMENTS:
             # a small step (decode, verification): every slot's columns, each row masked to its own
             # slot: a few ops whatever the number of adapters (per-op cost dominates here)
@@ -179,12 +215,11 @@ class LoRALinear(nn.Module):
                 out.index_add_(0, rows, delta)
         return out
 
-    def _bf16_masked(self, x: torch.Tensor, out: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
-        xa = self.a16(x)  # [T, P * L * R] float32
-        if self.tp is not None:
-            xa = self.tp.all_reduce(xa)
-        xa.mul_(mapping.slot_mask(len(self.parts), self.max_loras, self.max_rank, xa.dtype))
-        return out.add_(self.b16(xa).to(out.dtype))
+    def _add_delta_widened(self, out: torch.Tensor, x: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+        """The bf16 kernel's delta into an output it cannot write in place (not contiguous float32)."""
+        delta = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+        self.add_delta(delta, x, self.a_pairs, self.b_pairs, mapping.row_slots, self.max_loras, self.part_sizes)
+        return out.add_(delta.to(out.dtype))
 
     def slot_delta(self, x: torch.Tensor, slot: int) -> torch.Tensor:  # x [n, in] -> [n, out]
         first, r, num_parts = slot * self.max_rank, self.max_rank, len(self.parts)
@@ -196,24 +231,17 @@ class LoRALinear(nn.Module):
                          dim=1)
 
 
-def _bf16_pairs_fit(base: nn.Module, a_shape, bt_shapes) -> bool:
-    """Whether the adapters go bf16 (see the module doc): the base is a pair-layout bf16 linear and
-    A [N, K] and every B [out_p, L * R] take the pair layout with the kernel (K a multiple of 32)."""
-    from specdec.kernels.cpu import woq_cpu
+def _bf16_fits(base: nn.Module, in_features: int, out_sizes: list[int]) -> bool:
+    """Whether the adapters go bf16 (see the module doc): the base is a pair-layout bf16 linear, the bf16
+    LoRA kernel runs here and takes the shapes (inputs even, every part's outputs a multiple of 16)."""
+    from specdec.kernels.cpu import lora_cpu
     from specdec.layers.quantization import Bf16WeightLinear
 
-    if not (isinstance(base, Bf16WeightLinear) and base.pairs and woq_cpu.extension() is not None):
+    if not (isinstance(base, Bf16WeightLinear) and base.pairs and lora_cpu.kernel_possible()):
         return False
-    return all(woq_cpu.supports_pairs(n, k) for n, k in [tuple(a_shape), *bt_shapes])
-
-
-def _bf16_linear(weight: torch.Tensor) -> nn.Module:
-    """A bias-free ``Bf16WeightLinear`` (pair layout) of a float32 [N, K] weight rounded to bf16."""
-    from specdec.layers.quantization import Bf16WeightLinear
-
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    linear.weight = nn.Parameter(weight.detach().to(torch.bfloat16).contiguous(), requires_grad=False)
-    return Bf16WeightLinear(linear)
+    if in_features % 2 or any(size % lora_cpu.OUT_BLOCK for size in out_sizes):
+        return False
+    return lora_cpu.available()
 
 
 def lora_reference(x: torch.Tensor, row_slots: list[int], slot_weights: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]

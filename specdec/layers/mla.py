@@ -97,7 +97,8 @@ def mla_attention(
     plan = torch_plan(meta, None)
     num_reqs, num_heads, width = meta.num_reqs, query.shape[1], query.shape[2]
     q_len, key_len = plan.q_len, plan.key_len
-    dtype = torch.float32 if query.device.type == "cpu" else query.dtype  # scores in float32 on CPU
+    # scores in float32 on CPU at least; a float64 query (``MLAAttention`` on float32 rows) stays float64
+    dtype = torch.float32 if query.device.type == "cpu" and query.dtype != torch.float64 else query.dtype
     gathered = _gather(kv_cache[0], plan, "mla_latent")  # [R * blocks, block_size, 1, R + r]
     keys = gathered.view(num_reqs, -1, width)[:, :key_len].to(dtype)  # [R, L, R + r]
     q = query if plan.padded is None else \
@@ -107,7 +108,7 @@ def mla_attention(
     scores = torch.matmul(qh.view(num_reqs, num_heads * q_len, width), keys.transpose(1, 2))  # [R, H*Q, L]
     if plan.bias is not None:  # [R, 1, 1, Q, L]
         scores.view(num_reqs, num_heads, q_len, key_len).add_(plan.bias.view(num_reqs, 1, q_len, key_len))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float64 if dtype == torch.float64 else torch.float32).to(dtype)
     out = torch.matmul(probs, keys[..., :latent_dim])  # [R, H*Q, latent]
     out = out.view(num_reqs, num_heads, q_len, latent_dim).transpose(1, 2).reshape(-1, num_heads, latent_dim)
     out = out.to(query.dtype)
@@ -133,9 +134,10 @@ def mla_attention_expanded(
     w_uv: torch.Tensor,  # [num_heads, v_dim, latent_dim]
 ) -> torch.Tensor:  # [num_tokens, num_heads, v_dim]
     """Attention with every request's cached latents expanded to per-head keys and values (meant
-    for steps of long prefill chunks of one query length; any step is computed right)."""
+    for steps of long prefill chunks of one query length; any step is computed right), in the
+    up-projections' dtype (float64 from ``MLAAttention`` on float32 rows)."""
     if meta.uniform_query_len is None:
-        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1], dtype=w_uv.dtype)
         for rows, sub in meta.query_len_groups():
             out[rows] = mla_attention_expanded(q_nope[rows], q_rope[rows], kv_cache, sub, scale, w_uk, w_uv)
         return out
@@ -143,11 +145,12 @@ def mla_attention_expanded(
     num_reqs, num_heads, latent_dim = meta.num_reqs, q_nope.shape[1], w_uk.shape[2]
     q_len, key_len = plan.q_len, plan.key_len
     rows = _gather(kv_cache[0], plan, "mla_latent").view(num_reqs, -1, kv_cache.shape[-1])[:, :key_len]
+    rows = rows.to(w_uk.dtype)
     latent, k_rope = rows[..., :latent_dim], rows[..., latent_dim:]  # [R, L, latent], [R, L, r]
     k_nope = torch.einsum("blr,hnr->bhln", latent, w_uk)  # [R, H, L, d_nope]
     keys = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, num_heads, -1, -1)], dim=-1)
     values = torch.einsum("blr,hvr->bhlv", latent, w_uv)  # [R, H, L, d_v]
-    query = torch.cat([q_nope, q_rope], dim=-1).view(num_reqs, q_len, num_heads, -1).transpose(1, 2)
+    query = torch.cat([q_nope, q_rope], dim=-1).to(w_uk.dtype).view(num_reqs, q_len, num_heads, -1).transpose(1, 2)
     mask = None if plan.bias is None else plan.bias.view(num_reqs, 1, q_len, key_len).to(query.dtype)
     out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
     return out.transpose(1, 2).reshape(num_reqs * q_len, num_heads, -1)  # [T, H, d_v]

@@ -6,10 +6,9 @@ router: softmax scores, the top ``num_experts_per_tok`` (``topk_method`` "greedy
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from specdec.layers.moe import Routing
+from specdec.layers.moe import Routing, router_logits
 from specdec.models.deepseek_v3 import DeepseekV3ForCausalLM
 from specdec.models.llama import _cfg
 
@@ -26,7 +25,7 @@ class DeepseekV2Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> Routing:
-        scores = F.linear(x.float(), self.weight).softmax(dim=-1)  # [T, E]
+        scores = router_logits(x.float(), self.weight).softmax(dim=-1)  # [T, E], a row's the same in any batch
         if self.method == "group_limited_greedy":
             grouped = scores.view(-1, self.num_groups, self.num_experts // self.num_groups)
             best = torch.topk(grouped.max(dim=-1).values, self.topk_groups, dim=-1, sorted=False)[1]

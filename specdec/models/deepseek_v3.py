@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.layers import row_consistent
 from specdec.layers.attention import REFERENCE_BACKEND, AttentionBackend, AttentionMetadata
 from specdec.layers.mla import (
     expanded_form_min_rows, latent_cache_shape, mla_attention, mla_attention_expanded, write_latent,
@@ -83,9 +84,13 @@ class MLAAttention(nn.Module):
         # a request's query rows from which its attention runs expanded (``specdec.layers.mla``)
         self.expanded_min_rows = expanded_form_min_rows(self.latent_dim, self.rope_dim, self.nope_dim, self.v_dim)
 
-    def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, d_nope, R], W_UV [H, d_v, R]): views of ``kv_b_proj``'s weight."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
+    def up_projections(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, d_nope, R], W_UV [H, d_v, R]): views of ``kv_b_proj``'s weight (with ``dtype``
+        float64: of its kept float64 copy, ``row_consistent.float64_of``)."""
+        w = self.kv_b_proj.weight
+        if dtype == torch.float64:
+            w = row_consistent.float64_of(w)
+        w = w.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
         return w[:, :self.nope_dim], w[:, self.nope_dim:]
 
     def forward(self, rope, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -97,23 +102,27 @@ class MLAAttention(nn.Module):
         k_rope = rotate(k_rope.reshape(num_tokens, 1, self.rope_dim), *rope).view(num_tokens, self.rope_dim)
         write_latent(torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1), kv_cache, meta.slot_mapping)
         q_rope = rotate(q_rope.contiguous(), *rope)
+        # float32 on CPU: the up-projections and attention in float64, rounded once at the end, so
+        # a row's output does not depend on the step's other rows (``layers.row_consistent``)
+        work = row_consistent.compute_dtype(q_nope)
         if meta.max_query_len < self.expanded_min_rows:
-            out = self._absorbed(q_nope, q_rope, kv_cache, meta)
+            out = self._absorbed(q_nope, q_rope, kv_cache, meta, work).to(q_nope.dtype)
         else:  # long prefill chunks expanded, the step's other rows absorbed
             out = q_nope.new_empty(num_tokens, self.num_heads, self.v_dim)
             groups = meta.query_len_groups() if meta.uniform_query_len is None else [(slice(None), meta)]
             for rows, sub in groups:
                 if sub.query_lens[0] >= self.expanded_min_rows:
-                    out[rows] = mla_attention_expanded(q_nope[rows], q_rope[rows], kv_cache, sub, self.scale,
-                                                       *self.up_projections())
+                    part = mla_attention_expanded(q_nope[rows], q_rope[rows], kv_cache, sub, self.scale,
+                                                  *self.up_projections(work))
                 else:
-                    out[rows] = self._absorbed(q_nope[rows], q_rope[rows], kv_cache, sub)
+                    part = self._absorbed(q_nope[rows], q_rope[rows], kv_cache, sub, work)
+                out[rows] = part.to(out.dtype)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
-    def _absorbed(self, q_nope, q_rope, kv_cache, meta) -> torch.Tensor:  # [T, H, d_v]
-        w_uk, w_uv = self.up_projections()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
-        query = torch.cat([q_latent, q_rope], dim=-1)  # [T, H, R + r]
+    def _absorbed(self, q_nope, q_rope, kv_cache, meta, work: torch.dtype) -> torch.Tensor:  # [T, H, d_v] in work
+        w_uk, w_uv = self.up_projections(work)
+        q_latent = torch.bmm(q_nope.transpose(0, 1).to(work), w_uk).transpose(0, 1)  # [T, H, R]
+        query = torch.cat([q_latent, q_rope.to(work)], dim=-1)  # [T, H, R + r]
         out = mla_attention(query, kv_cache, meta, self.scale, self.latent_dim)  # [T, H, R]
         return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 

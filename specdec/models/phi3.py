@@ -5,10 +5,13 @@ tensor parallelism: each rank keeps its heads' rows of each part) like every oth
 
 LongRoPE follows transformers: a request whose sequence is longer than
 ``original_max_position_embeddings`` rotates with the long factors, otherwise with the short
-ones, both tables scaled by the attention factor. The choice is made per request from its length
-in the step (on the device, so captured graphs make it too). transformers re-encodes a sequence
-whose generation crosses the switch point; here the keys cached before the crossing keep the
-short factors (as vLLM does), so such a request matches transformers only up to the crossing.
+ones, both tables scaled by the attention factor. The choice is made per row (on the device, so
+captured graphs make it too): long from the switch position on, and for every row of a step that
+feeds a request from position 0 past the switch (a long prompt prefilled in one chunk). A row's
+choice so depends on its position, not on the step's other rows: a verification row rotates as
+its one-row decode step does, drafts or not. transformers re-encodes a sequence whose generation
+crosses the switch point; here the keys cached before the crossing keep the short factors (as
+vLLM does), so such a request matches transformers only up to the crossing.
 """
 from __future__ import annotations
 
@@ -67,6 +70,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         if switch is None:
             return self.rotary.lookup(positions)
         rows = torch.arange(positions.shape[0], device=positions.device)
-        request = torch.searchsorted(meta.query_start_loc[1:], rows, right=True).clamp_(max=meta.num_reqs - 1)
-        return self.rotary.lookup(positions, long_rows=meta.seq_lens[request] > switch)
+        qsl = meta.query_start_loc
+        request = torch.searchsorted(qsl[1:], rows, right=True).clamp_(max=meta.num_reqs - 1)
+        whole = (meta.seq_lens == qsl[1:] - qsl[:-1]) & (meta.seq_lens > switch)  # [R] prefilled from 0 past it
+        return self.rotary.lookup(positions, long_rows=(positions >= switch) | whole[request])
 

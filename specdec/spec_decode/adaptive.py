@@ -4,6 +4,8 @@ Pure pieces the controller wires together each step:
 - ``StepCostModel`` (``cost_model.py``): forward seconds by tokens in the pass, per kind.
 - ``AcceptanceEstimator`` (``acceptance.py``): per-request acceptance, per position too.
 - ``ThroughputGuard`` (``throughput_guard.py``): backs off when speculating stopped paying.
+- ``Explorer`` (``explorer.py``): drafts K = 1 now and then in steps planned at K = 0, within a
+  budget of the plain decoding time it may lose, so such a plan keeps learning.
 - ``choose_num_spec_tokens``: per-request K in 0..max_k maximising expected tokens per
   second for the whole batch.
 

@@ -39,11 +39,7 @@ class SpecController:
         self.replan_idle_max = 32
         self._last_ids: list[str] = []  # the decoding requests of the previous plan
         self.observe_plain_every = 8  # plain decode steps per cost-model observation
-        # exploration: while the pooled acceptance rests on fewer than ``explore_min_trials`` tried
-        # drafts, a plan that drafts nothing drafts max_k instead, at most ``explore_max_steps`` times
-        self.explore_min_trials = 16
-        self.explore_max_steps = 4
-        self._num_explored = 0
+        self.explorer = None  # "auto": drafts in steps planned at K = 0, so such a plan keeps learning
         # batch bucket -> [seconds a decode step spends outside its forwards (EMA), steps seen]
         self._step_overhead: dict[int, list[float]] = {}
         self._new_k: int | None = None  # "auto": K of a new request's first drafts (``_new_request_k``)
@@ -52,11 +48,13 @@ class SpecController:
         if adaptive:
             from specdec.spec_decode.acceptance import AcceptanceEstimator
             from specdec.spec_decode.cost_model import StepCostModel
+            from specdec.spec_decode.explorer import Explorer
             from specdec.spec_decode.throughput_guard import ThroughputGuard
 
             self.cost = StepCostModel()
             self.acceptance = AcceptanceEstimator()
             self.guard = ThroughputGuard()
+            self.explorer = Explorer(self.acceptance, max_k, draft_is_model)
 
     @classmethod
     def build(cls, spec, max_model_len: int | None = None) -> SpecController:
@@ -130,8 +128,6 @@ class SpecController:
         k = choose_num_spec_tokens(alphas, self.max_k, self.cost, num_other_tokens=num_running,
                                    draft_per_token=self.draft_is_model,
                                    step_overhead=self.step_overhead(num_running + 1))[0]
-        if not k and self._should_explore():
-            k = self.max_k
         self._new_k, self._new_k_age = k, 0
         return k
 
@@ -161,8 +157,14 @@ class SpecController:
             new = len(set(ids).difference(self._last_ids))
             self._last_ids = ids
             self.guard.requests_changed(len(ids), new / len(ids))
-        if not reqs or (not prefilling and not self.guard.allow(len(reqs))):
-            ks = [0] * len(reqs)  # nothing to draft, or speculating steps have been slower lately
+        if not reqs:
+            ks = []
+        elif not prefilling and not self.guard.allow(len(reqs)):
+            # speculating steps have been slower lately, or the guard samples a plain step; only
+            # in the first case can the text have changed unseen since (the guard probes rarely)
+            ks = [0] * len(reqs)
+            if self.guard.backing_off(len(reqs)):
+                ks = self._explore(ids, others) or ks
         elif not prefilling and ids == self._idle_ids and self._idle_age < self._idle_limit:
             # the last plan drafted nothing for these same requests and no acceptance has been
             # observed since: the next few would say the same (planning is not free at large batches)
@@ -181,11 +183,8 @@ class SpecController:
             ks = choose_num_spec_tokens(alphas, self.max_k, self.cost, num_other_tokens=others,
                                         draft_per_token=self.draft_is_model, weights=weights,
                                         step_overhead=self.step_overhead(len(reqs)))
-            if not any(ks) and not prefilling and self._should_explore():
-                # the prior alone said no: without trying, "auto" would never learn that a strong
-                # draft pays (a few steps of max_k are the price of finding out, once per engine)
-                self._num_explored += 1
-                ks = [self.max_k] * len(reqs)
+            if not any(ks) and not prefilling:  # a plan at K = 0 learns nothing unless it explores now and then
+                ks = self._explore(ids, others) or ks
             if not any(ks) and not prefilling:
                 # the same requests, no acceptance seen, and again nothing to draft: the costs alone
                 # drift too slowly to change that, so look less often
@@ -196,9 +195,8 @@ class SpecController:
                 self._idle_ids, self._idle_age = None, 0
         return dict(zip(ids, ks))
 
-    def _should_explore(self) -> bool:
-        return (self._num_explored < self.explore_max_steps
-                and self.acceptance.num_pooled_trials < self.explore_min_trials)
+    def _explore(self, ids: list[str], num_other_tokens: int) -> list[int] | None:
+        return self.explorer.plan(ids, num_other_tokens, self.cost, self.step_overhead(len(ids)))
 
     def observe(self, record: StepRecord) -> None:
         """Learn from a finished step: acceptance per request, step costs, realised throughput."""
@@ -209,6 +207,9 @@ class SpecController:
             self._idle_ids, self._idle_limit = None, self.replan_idle_every
         result = record.result
         self.acceptance.age([rid for rid, n in zip(result.request_ids, result.num_draft_tokens) if not n])
+        if not any(result.num_draft_tokens):
+            self.acceptance.age_pooled()
+        self.explorer.observe(record, self.cost)
         self._observe_costs(record)
         self._observe_outcome(record)
 

@@ -94,6 +94,11 @@ class ThroughputGuard:
         self._backoff[b] = (step, min(2 * interval, self.max_backoff * self.probe_every))
         return True
 
+    def backing_off(self, num_decoding: int) -> bool:
+        """Whether this bucket's speculating steps were last found slower than plain ones (``allow``
+        then says no but for rare probes), as opposed to a plain step taken to keep that rate current."""
+        return self.bucket(num_decoding) in self._backoff
+
     def requests_changed(self, num_decoding: int, new_fraction: float) -> None:
         """Part of the batch is new: the speculating rate is evidence about the requests that were
         there (their acceptance), so it keeps only the old share of its weight; the plain rate is

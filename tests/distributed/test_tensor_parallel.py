@@ -19,7 +19,6 @@ import torch
 from specdec import LLM, SamplingParams
 from specdec.structured_output import StructuredOutputsParams
 
-ENGINE = dict(dtype="float32", device="cpu", max_model_len=96)
 MAX_TOKENS = 16
 
 
@@ -28,13 +27,9 @@ def greedy(**kw) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def reference(llama_path, prompts) -> dict[str, list[int]]:
-    outs = LLM(model=llama_path, **ENGINE).generate(prompts, greedy(), use_tqdm=False)
+def reference(llama_path, prompts, one_device) -> dict[str, list[int]]:
+    outs = one_device(llama_path).generate(prompts, greedy(), use_tqdm=False)
     return {p: o.outputs[0].token_ids for p, o in zip(prompts, outs)}
-
-
-def tp_llm(path: str, spec: dict | None = None, **kw) -> LLM:
-    return LLM(model=path, tensor_parallel_size=2, speculative_config=spec, **{**ENGINE, **kw})
 
 
 def assert_clean(llm: LLM) -> None:
@@ -43,15 +38,9 @@ def assert_clean(llm: LLM) -> None:
     assert engine.executor.gather_rpc("num_request_states") == [0, 0]  # no rank keeps a finished request
 
 
-def stop(llm: LLM) -> None:
-    procs = list(llm.engine.executor._procs)
-    llm.engine.executor.shutdown()
-    assert all(not p.is_alive() for p in procs)
-
-
-def test_plain_decoding_and_logprobs_equal_one_device(llama_path, prompts, reference):
-    one = LLM(model=llama_path, **ENGINE).generate(prompts[:6], greedy(logprobs=3), use_tqdm=False)
-    llm = tp_llm(llama_path)
+def test_plain_decoding_and_logprobs_equal_one_device(llama_path, prompts, reference, tp, one_device):
+    one = one_device(llama_path).generate(prompts[:6], greedy(logprobs=3), use_tqdm=False)
+    llm = tp.engine(llama_path)
     worker = llm.engine.executor.driver_worker
     assert worker.runner.model.num_kv_heads == 1 and worker.runner.kv_caches[0].shape[3] == 1  # 2 KV heads / 2 ranks
     outs = llm.generate(prompts, greedy(logprobs=3), use_tqdm=False)
@@ -63,32 +52,32 @@ def test_plain_decoding_and_logprobs_equal_one_device(llama_path, prompts, refer
                 assert db[t] == pytest.approx(da[t], rel=1e-5, abs=1e-6)
     assert llm.get_metrics()["num_steps"] > 0
     assert_clean(llm)
-    stop(llm)
+    tp.stop(llm)
 
 
 @pytest.mark.parametrize("draft_tp, tree", [(1, None), (2, {"tree_topk": 2, "tree_nodes": 6})],
                          ids=["draft-tp1-chain", "draft-tp2-tree"])
 def test_draft_model_under_tp_is_greedy_identical_with_preemption(draft_tp, tree, llama_path, noisy_draft_path,
-                                                                  prompts, reference):
+                                                                  prompts, reference, tp):
     spec = {"method": "draft_model", "model": noisy_draft_path, "num_speculative_tokens": 3,
             "draft_tensor_parallel_size": draft_tp, **(tree or {})}
     # a small cache: requests are preempted and recomputed
-    llm = tp_llm(llama_path, spec, block_size=8, kv_cache_memory=40 * 2 * 8 * 2 * 2 * 16 * 4 * 2)
+    llm = tp.engine(llama_path, spec, block_size=8, kv_cache_memory=40 * 2 * 8 * 2 * 2 * 16 * 4 * 2)
     outs = llm.generate(prompts[:12], greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in prompts[:12]]
     m = llm.get_metrics()
     assert m["num_draft_tokens"] > 0 and m["num_accepted_tokens"] > 0 and m["num_preemptions"] > 0
     assert_clean(llm)
-    stop(llm)
+    tp.stop(llm)
 
 
-def test_ngram_and_seeded_sampling_under_tp(llama_path, prompts, reference):
+def test_ngram_and_seeded_sampling_under_tp(llama_path, prompts, reference, tp, one_device):
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_TOKENS, seed=100 + i, ignore_eos=True)
               for i in range(4)]
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    one_llm = LLM(model=llama_path, speculative_config=spec, **ENGINE)
+    one_llm = one_device(llama_path, spec)
     one = one_llm.generate(prompts[:4], params, use_tqdm=False)
-    llm = tp_llm(llama_path, spec)
+    llm = tp.engine(llama_path, spec)
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in prompts]
     sampled = llm.generate(prompts[:4], params, use_tqdm=False)
@@ -99,27 +88,27 @@ def test_ngram_and_seeded_sampling_under_tp(llama_path, prompts, reference):
     want = [o.outputs[0].token_ids for o in one_llm.generate(prompts[:4], constrained, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:4], constrained, use_tqdm=False)] == want
     assert_clean(llm)
-    stop(llm)
+    tp.stop(llm)
 
 
 @pytest.mark.parametrize("tree", [None, {"tree_topk": 2, "tree_nodes": 6}], ids=["chain", "tree"])
-def test_eagle_under_tp_is_greedy_identical(tree, llama_path, prompts, reference, tmp_path_factory):
+def test_eagle_under_tp_is_greedy_identical(tree, llama_path, prompts, reference, tmp_path_factory, tp):
     from specdec.models.eagle import init_head, save_head
     from specdec.models.loader import load_model
 
     head = init_head(load_model(llama_path, torch.float32, torch.device("cpu")), seed=1)
     folder = tmp_path_factory.mktemp("tp_eagle") / "head"
     save_head(head, folder)
-    llm = tp_llm(llama_path, {"method": "eagle", "model": str(folder), "num_speculative_tokens": 3, **(tree or {})})
+    llm = tp.engine(llama_path, {"method": "eagle", "model": str(folder), "num_speculative_tokens": 3, **(tree or {})})
     outs = llm.generate(prompts[:8], greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in prompts[:8]]
     assert llm.get_metrics()["num_draft_tokens"] > 0
     assert_clean(llm)
-    stop(llm)
+    tp.stop(llm)
 
 
 @pytest.mark.parametrize("tree", [None, {"tree_topk": 2, "tree_nodes": 6}], ids=["chain", "tree"])
-def test_eagle3_under_tp_is_greedy_identical(tree, llama_path, prompts, reference, tmp_path_factory):
+def test_eagle3_under_tp_is_greedy_identical(tree, llama_path, prompts, reference, tmp_path_factory, tp):
     """Every rank's target exports the auxiliary layers' inputs (the full residual stream after the
     row-parallel all-reduces) to its own replicated EAGLE-3 head."""
     from specdec.models.loader import load_model
@@ -129,16 +118,16 @@ def test_eagle3_under_tp_is_greedy_identical(tree, llama_path, prompts, referenc
     head = init_eagle3(load_model(llama_path, torch.float32, torch.device("cpu")), (0, 1, 1), torch.arange(200), seed=1)
     folder = tmp_path_factory.mktemp("tp_eagle3") / "head"
     save_eagle3(head, folder, llama_path, ["LlamaForCausalLM"], 3, dtype=torch.float32)
-    llm = tp_llm(llama_path, {"model": str(folder), **(tree or {})})
+    llm = tp.engine(llama_path, {"model": str(folder), **(tree or {})})
     outs = llm.generate(prompts[:8], greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in prompts[:8]]
     assert llm.get_metrics()["num_draft_tokens"] > 0
     assert_clean(llm)
-    stop(llm)
+    tp.stop(llm)
 
 
-def test_a_killed_rank_makes_the_engine_raise_and_leaves_no_process(llama_path, prompts):
-    llm = tp_llm(llama_path)
+def test_a_killed_rank_makes_the_engine_raise_and_leaves_no_process(llama_path, prompts, tp):
+    llm = tp.engine(llama_path)
     proc = llm.engine.executor._procs[0]
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(10)
@@ -149,15 +138,14 @@ def test_a_killed_rank_makes_the_engine_raise_and_leaves_no_process(llama_path, 
     assert not proc.is_alive()
 
 
-def test_start_up_errors_name_the_limit(llama_path, make_model):
+def test_start_up_errors_name_the_limit(llama_path, make_model, tp, one_device):
     odd = make_model("tp_odd_heads", arch="llama", num_heads=3, num_kv_heads=1, hidden_size=48)
     with pytest.raises(ValueError, match="does not divide the model's attention heads"):
-        tp_llm(odd)
+        tp.engine(odd)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
-        LLM(model=llama_path, tensor_parallel_size=0, **ENGINE)
+        one_device(llama_path, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="draft_tensor_parallel_size must be 1 or tensor_parallel_size"):
-        LLM(model=llama_path, tensor_parallel_size=2, **ENGINE,
-            speculative_config={"method": "ngram", "draft_tensor_parallel_size": 3})
+        tp.engine(llama_path, {"method": "ngram", "draft_tensor_parallel_size": 3})
 
 
 SCRIPT = """

@@ -63,8 +63,8 @@ def test_the_report_names_the_kernel_each_format_runs_from_the_measured_choices(
     monkeypatch.setattr(cpu_kernel_choice, "bf16_amx_faster", lambda: True)
     monkeypatch.setattr(quantization, "bf16_kernel_faster", lambda: True)
     choices = cpu_kernel_choice.cpu_kernel_choices()
-    assert choices["w4a8"].endswith(": vnni512 at 1-2, bf16 at 4-16 rows, AMX tiles from 16 rows")
-    assert choices["w8a8"].endswith(": vnni512 at 1-16 rows") or choices["w8a8"].endswith("AMX measured slower")
+    assert choices["w4a8"].endswith(": vnni512 at 1-2, bf16 at 4-64 rows, AMX tiles from 16 rows")
+    assert choices["w8a8"].endswith(": vnni512 at 1-64 rows") or choices["w8a8"].endswith("AMX measured slower")
     assert "AMX tiles from" not in choices["w8a8"]
     assert choices['dtype="bfloat16"'] == "bf16 weights, float32 activations: AMX tiles (pair layout)"
     assert choices['dtype="auto", no quantization'] == "bf16 weights, float32 activations: AMX tiles (pair layout)"
@@ -116,9 +116,10 @@ def test_the_load_time_plan_runs_the_faster_of_two_fake_timed_variants_at_each_r
     # 1 + m against 4: the default at 1 and 2 rows, vnni256 from 4 rows (4 < 0.97 * 5)
     assert plan == {m: "vnni512" if m <= 2 else "vnni256" for m in cpu_kernel_choice.A8_VARIANT_ROWS}
     by_rows = cpu_kernel_choice.a8_row_ops(True)
-    assert len(by_rows) == 17 and by_rows[0] is by_rows[1] is by_rows[2] is ops["vnni512"]
-    assert all(by_rows[m] is ops["vnni256"] for m in range(3, 17))  # 3 rows: the 4-row choice; 9-16: the 16-row
-    assert "vnni512 at 1-2, vnni256 at 4-16 rows" == cpu_kernel_choice.describe_plan(plan)
+    last = cpu_kernel_choice.A8_VARIANT_ROWS[-1]
+    assert len(by_rows) == last + 1 and by_rows[0] is by_rows[1] is by_rows[2] is ops["vnni512"]
+    assert all(by_rows[m] is ops["vnni256"] for m in range(3, last + 1))  # 3 rows: the 4-row choice; 9-16: the 16-row
+    assert f"vnni512 at 1-2, vnni256 at 4-{last} rows" == cpu_kernel_choice.describe_plan(plan)
 
 
 def test_amx_takes_the_row_counts_from_its_threshold_and_the_variable_forces_one_variant(fake_a8_variants,

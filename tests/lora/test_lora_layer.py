@@ -83,11 +83,11 @@ def test_emptied_slot_adds_nothing(path):
 
 def _bf16_layer(max_loras: int = 2, rank: int = 16):
     """A LoRALinear over a pair-layout bf16 base (dtype "auto" on an avx512_bf16 CPU), or a skip."""
-    from specdec.kernels.cpu import woq_cpu
+    from specdec.kernels.cpu import lora_cpu, woq_cpu
     from specdec.layers.quantization import Bf16WeightLinear
 
-    if not woq_cpu.bf16_pairs_available():
-        pytest.skip("no avx512_bf16 pair kernel on this CPU")
+    if not (woq_cpu.bf16_pairs_available() and lora_cpu.available()):
+        pytest.skip("no avx512_bf16 pair and LoRA kernels on this CPU")
     torch.manual_seed(0)
     outs, parts, in_features = (64, 32, 32), ("q_proj", "k_proj", "v_proj"), 64
     base = Bf16WeightLinear(nn.Linear(in_features, sum(outs), bias=False).to(torch.bfloat16))
@@ -103,9 +103,10 @@ def _bf16_layer(max_loras: int = 2, rank: int = 16):
     return layer, context, base, slots
 
 
-def test_bf16_adapters_over_a_bf16_base_match_reference_and_are_row_consistent():
-    layer, context, base, slots = _bf16_layer()
-    assert layer.a16 is not None and layer.a16.pairs  # the adapters went bf16 (pair layout)
+@pytest.mark.parametrize("rank", [16, 12])  # 12: padded to the kernel's 16
+def test_bf16_adapters_over_a_bf16_base_match_reference_and_are_row_consistent(rank):
+    layer, context, base, slots = _bf16_layer(rank=rank)
+    assert layer.bf16 and layer.add_delta is not None  # the adapters went bf16 (the LoRA kernel)
     x = torch.randn(9, 64)
     request_slots, qsl = [0, 1, NO_ADAPTER, 1], [0, 1, 5, 6, 9]
     context.mapping = LoRAMapping.build(request_slots, qsl, "cpu")

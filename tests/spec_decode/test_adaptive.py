@@ -161,6 +161,27 @@ def test_estimator_tracks_a_change_and_uses_the_pooled_prior():
         estimator.update("r", 2, 3)
 
 
+def test_pooled_evidence_ages_in_idle_steps_and_the_optimistic_bound_reads_it():
+    """A policy that stopped drafting observes nothing: its pooled evidence that drafts fail must
+    fade with the steps (``age_pooled``), so the optimistic bound the explorer reads rises again."""
+    estimator = AcceptanceEstimator()
+    assert estimator.optimistic_position_acceptance(0.0)[0] == pytest.approx(0.5)
+    assert estimator.optimistic_position_acceptance(1.645)[0] == pytest.approx(0.5 + 1.645 * (0.25 / 9) ** 0.5)
+    for _ in range(30):
+        estimator.update("r", 1, 0)
+    mean = estimator.unseen_position_acceptance()
+    bound = estimator.optimistic_position_acceptance(1.645)
+    assert mean[0] == pytest.approx(4 / 38, abs=0.005) and bound[0] == pytest.approx(0.19, abs=0.01)
+    assert (bound >= mean).all()  # the whole profile shifts up
+    for _ in range(400):  # 0.995 per idle step: 30 trials -> 4
+        estimator.age_pooled()
+    assert estimator.num_pooled_trials == pytest.approx(sum(0.999 ** i for i in range(30)) * 0.995 ** 400)
+    assert estimator.optimistic_position_acceptance(1.645)[0] > 0.5
+    assert estimator.unseen_position_acceptance()[0] > 0.3  # back towards the prior
+    with pytest.raises(ValueError, match="pooled_idle_decay"):
+        AcceptanceEstimator(pooled_idle_decay=0.0)
+
+
 def test_estimator_sees_bursty_per_position_acceptance():
     rng = random.Random(3)  # copy-like proposer: the first token is a coin flip, then all accepted
     estimator = AcceptanceEstimator(decay=1.0)

@@ -108,6 +108,57 @@ def test_amx_int8_path_equals_the_vnni_kernel_bitwise(fmt, rows):
     assert torch.equal(ops.a8_linear_amx(x, *args, bias), woq_cpu.linear_a8(x, woq_cpu.A8Weight.prepare(q), bias))
 
 
+@needs_amx_a8
+@pytest.mark.parametrize("fmt", ["int4-g128", "int8-channel", "int8-g16"])
+@pytest.mark.parametrize("rows", [5, 16, 21, 40])
+def test_amx_int8_path_over_input_chunks_and_a_shifted_last_pass_equals_the_vnni_kernel_bitwise(fmt, rows):
+    """K = 2176 runs as two chunks of inputs (1088 + 1088; a group of 128 and the per-channel group
+    straddle the boundary), and M = 21 or 40 ends with a 16-row pass that overlaps the pass before it:
+    every row still equals the VNNI kernel's, and N = 40 ends in a partial block."""
+    from specdec.kernels.cpu import woq_cpu
+    from specdec.kernels.cpu.woq_format import quantize_int4, quantize_int8
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 2176, generator=g) * 0.05
+    q = {"int4-g128": lambda: quantize_int4(w, 128), "int8-channel": lambda: quantize_int8(w),
+         "int8-g16": lambda: quantize_int8(w, 16)}[fmt]()
+    args = woq_cpu.a8_kernel_args(woq_cpu.A8Weight.prepare(q))
+    x = torch.randn(rows, 2176, generator=g)
+    ops = amx_cpu.extension_a8()
+    out = ops.a8_linear_amx(x, *args, None)
+    assert torch.equal(out, ops.a8_linear(x, *args, None))
+    assert torch.equal(out[-1:], ops.a8_linear_amx(x[-1:], *args, None))
+
+
+@needs_amx_a8
+@pytest.mark.parametrize("rows", [7, 40])
+def test_amx_int8_path_on_two_threads_equals_the_vnni_kernel_bitwise(rows):
+    """Each thread configures its own tiles (a tile configuration is per thread; a worker thread that
+    runs a tile instruction without one faults)."""
+    from specdec.kernels.cpu import woq_cpu
+    from specdec.kernels.cpu.woq_format import quantize_int4
+
+    g = torch.Generator().manual_seed(3)
+    args = woq_cpu.a8_kernel_args(woq_cpu.A8Weight.prepare(quantize_int4(torch.randn(96, 512, generator=g), 32)))
+    x = torch.randn(rows, 512, generator=g)
+    ops = amx_cpu.extension_a8()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(ops.a8_linear_amx(x, *args, None), ops.a8_linear(x, *args, None))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx_a8
+def test_amx_int8_path_with_no_rows_returns_an_empty_result():
+    from specdec.kernels.cpu import woq_cpu
+    from specdec.kernels.cpu.woq_format import quantize_int4
+
+    args = woq_cpu.a8_kernel_args(woq_cpu.A8Weight.prepare(quantize_int4(torch.randn(32, 128), 32)))
+    assert amx_cpu.extension_a8().a8_linear_amx(torch.empty(0, 128), *args, None).shape == (0, 32)
+
+
 def test_a_call_without_rows_returns_an_empty_result():
     """A step may hand a layer no rows (an EAGLE head with nothing to draft): every bf16 path returns
     [0, N] instead of running a kernel on nothing."""

@@ -111,22 +111,38 @@ RowsTile rows_tile_for(int sf) {
 }
 
 #if defined(__AMX_INT8__)
-// rows 0 .. M - 1 of block blk through AMX tiles, in passes of kAmxRows; `configured`: the row count
-// this thread's tiles are configured for (-1: none yet)
+// rows 0 .. M - 1 of block blk through AMX tiles: run_amx_format's per-block steps (inputs in chunks
+// whose B operands stay in L1, 16-row passes, the last one ending at row M); `configured`: the row
+// count this thread's tiles are configured for (-1: none yet)
 template <bool INT4, int SF>
 void rows_tile_amx(const Args& a, int64_t blk, int64_t M, int& configured) {
-  for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, M - m0));
-    if (rows != configured) {
-      configure_a8(rows, static_cast<int>(a.E));
-      configured = rows;
+  const int64_t chunks = (16 * a.K + kAmxChunkBytes - 1) / kAmxChunkBytes;
+  const int64_t chunk = ((a.K + chunks - 1) / chunks + 63) / 64 * 64;
+  thread_local std::vector<uint8_t> unpacked;
+  thread_local std::vector<float> acc;
+  if (INT4 && static_cast<int64_t>(unpacked.size()) < 16 * chunk) unpacked.resize(16 * chunk);
+  if (static_cast<int64_t>(acc.size()) < 16 * M) acc.resize(16 * M);
+  const int rows = static_cast<int>(std::min(M, kAmxRows));
+  if (rows != configured) {
+    configure_a8(rows, static_cast<int>(a.E));
+    configured = rows;
+  }
+  const uint8_t* wp = a.w + blk * a.blk_bytes;
+  for (int64_t kb = 0; kb < a.K; kb += chunk) {
+    const int64_t ke = std::min(a.K, kb + chunk);
+    const uint8_t* b = wp + 16 * kb;
+    if (INT4) {
+      unpack_int4(wp, kb, ke, unpacked.data());
+      b = unpacked.data();
     }
-    Args p = a;
-    p.xq += m0 * a.K;
-    p.xs += m0 * a.nab;
-    p.xsx += m0 * a.nab;
-    p.y += m0 * a.N;
-    tile_amx<INT4, SF>(p, blk, rows);
+    if (M < kAmxRows) {
+      tile_amx<INT4, SF, false>(a, blk, 0, rows, kb, ke, b, acc.data(), 0);
+      continue;
+    }
+    for (int64_t r = 0; r < M; r += kAmxRows) {
+      const int64_t r0 = std::min(r, M - kAmxRows);
+      tile_amx<INT4, SF, true>(a, blk, r0, kAmxRows, kb, ke, b, acc.data() + 16 * r0, static_cast<int>(r - r0));
+    }
   }
 }
 
