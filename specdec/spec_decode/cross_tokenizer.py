@@ -80,8 +80,10 @@ class DraftContext:
 class CrossTokenizerProposer(DraftModelProposer):
     name = "draft_model"
 
-    def __init__(self, runner: ModelRunner, target_vocab_size: int, bridge: VocabBridge, max_positions: int):
-        super().__init__(runner, target_vocab_size, draft_vocab=bridge.target_ids)
+    def __init__(self, runner: ModelRunner, target_vocab_size: int, bridge: VocabBridge, max_positions: int,
+                 confidence_threshold: float = 0.0):
+        super().__init__(runner, target_vocab_size, draft_vocab=bridge.target_ids,
+                         confidence_threshold=confidence_threshold)
         self.bridge = bridge
         self.max_positions = max_positions  # the draft model's position limit
         self.contexts: dict[str, DraftContext] = {}

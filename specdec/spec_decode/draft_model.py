@@ -38,7 +38,8 @@ class DraftModelProposer(Proposer):
     row_shift = 0  # draft s is fed at position num_tokens + s - 1 + row_shift (EAGLE: one earlier)
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int,
-                 tree_topk: int = 1, tree_depth: int = 0, tree_nodes: int = 0, draft_vocab: torch.Tensor | None = None):
+                 tree_topk: int = 1, tree_depth: int = 0, tree_nodes: int = 0, draft_vocab: torch.Tensor | None = None,
+                 confidence_threshold: float = 0.0):
         self.runner = runner
         self.vocab_size = target_vocab_size
         # [n] target ids of the draft's logit columns when its LM head keeps only those (draft_vocab.py)
@@ -48,7 +49,7 @@ class DraftModelProposer(Proposer):
         self.tree_nodes = tree_nodes
         # a chain stops drafting a request once the draft's top-1 probability falls below this
         # (0: always K); see ``_confident``
-        self.confidence_threshold = 0.0
+        self.confidence_threshold = confidence_threshold
 
     def _forward(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits [N, target vocab], the pass's hidden states [T, H]: read by EAGLE's next pass only)."""

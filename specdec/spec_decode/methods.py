@@ -145,9 +145,10 @@ def method_of(spec: SpeculativeConfig | None) -> SpecMethod | None:
 
 
 # ---- the built-in methods ----
-def _tree_args(spec: SpeculativeConfig) -> dict:
+def _draft_args(spec: SpeculativeConfig) -> dict:
+    """The constructor arguments of a proposer drafted by a model: its tree, or its chain's stopping rule."""
     if not spec.is_tree:
-        return {}
+        return {"confidence_threshold": spec.draft_confidence_threshold}
     return {"tree_topk": spec.tree_topk, "tree_depth": spec.max_k, "tree_nodes": spec.num_tree_nodes}
 
 
@@ -309,20 +310,20 @@ def _build_draft_model(spec, runner, vocab_size, parts: DraftParts):
         from specdec.spec_decode.cross_tokenizer import CrossTokenizerProposer
 
         limit = getattr(runner.model.config, "max_position_embeddings", None) or 1 << 30
-        return CrossTokenizerProposer(runner, vocab_size, parts.vocab_bridge, limit)
-    return DraftModelProposer(runner, vocab_size, **_tree_args(spec), draft_vocab=parts.draft_vocab)
+        return CrossTokenizerProposer(runner, vocab_size, parts.vocab_bridge, limit, **_draft_args(spec))
+    return DraftModelProposer(runner, vocab_size, **_draft_args(spec), draft_vocab=parts.draft_vocab)
 
 
 def _build_eagle(spec, runner, vocab_size, parts: DraftParts):
     from specdec.spec_decode.eagle import EagleProposer
 
-    return EagleProposer(runner, vocab_size, **_tree_args(spec))
+    return EagleProposer(runner, vocab_size, **_draft_args(spec))
 
 
 def _build_eagle3(spec, runner, vocab_size, parts: DraftParts):
     from specdec.spec_decode.eagle3 import Eagle3Proposer
 
-    return Eagle3Proposer(runner, vocab_size, **_tree_args(spec))
+    return Eagle3Proposer(runner, vocab_size, **_draft_args(spec))
 
 
 def _validate_ngram(spec: SpeculativeConfig) -> None:

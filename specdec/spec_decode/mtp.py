@@ -191,7 +191,7 @@ def load(load: DraftLoad) -> DraftParts:
 
 
 def build(spec, runner, vocab_size, parts: DraftParts):
-    from specdec.spec_decode.methods import _tree_args
+    from specdec.spec_decode.methods import _draft_args
 
-    return MTPProposer(runner, vocab_size, **_tree_args(spec))
+    return MTPProposer(runner, vocab_size, **_draft_args(spec))
 

@@ -91,8 +91,6 @@ def build_worker_parts(cfg: EngineConfig, model_path: str, model_config, vocab_s
     if plan.graphs:
         _enable_graphs(cfg, runner, draft_runner, max_model_len, spec, method)
     proposer = method.build(spec, draft_runner, vocab_size, draft) if method is not None else None
-    if spec is not None and spec.draft_confidence_threshold:
-        proposer.confidence_threshold = spec.draft_confidence_threshold
     return WorkerParts(plan, device, plan.dtype, runner, draft_runner, method, proposer,
                        ChainVerifier(rejection_sampler(plan.sampler)), TreeVerifier())
 
