@@ -124,11 +124,27 @@ def a8_timing_weights(int4: bool) -> list[tuple]:
 A8_VARIANT_ROWS = (1, 2, 4, 6, 8, 16, 64)
 
 
-@functools.lru_cache(maxsize=None)
+def a8_build() -> str:
+    """The build of the int8-activation kernel in use (``$SPECDEC_CPU_ISA`` or the best here): the key of
+    every measured plan below, whose variant names differ between builds."""
+    return woq_cpu.build_args(None, a8=True)[0]
+
+
+def clear_a8_timings() -> None:
+    """Forget every measured int8-activation plan (tests that fake the kernels or their clock)."""
+    for cached in (_a8_times, _a8_amx_min_rows, _a8_measured_plan):
+        cached.cache_clear()
+
+
 def a8_times(int4: bool) -> dict[str, dict[int, float]] | None:
     """Seconds per call of each int8-activation variant that runs here (``woq_a8_variants``, AMX
     included) on ``a8_timing_weights``, at ``A8_VARIANT_ROWS`` rows; None where only one runs. One
-    timing serves ``a8_amx_min_rows`` and ``a8_measured_plan``: at load, every second counts."""
+    timing per build serves ``a8_amx_min_rows`` and ``a8_measured_plan``: at load, every second counts."""
+    return _a8_times(int4, a8_build())
+
+
+@functools.lru_cache(maxsize=None)
+def _a8_times(int4: bool, build: str) -> dict[str, dict[int, float]] | None:
     ops = woq_a8_variants.variant_ops(int4)
     if len(ops) < 2:
         return None
@@ -148,12 +164,16 @@ def a8_amx_times(int4: bool) -> dict[str, dict[int, float]] | None:
     return {"vnni": {m: vnni[m] for m in A8_AMX_ROWS}, "amx": {m: amx[m] for m in A8_AMX_ROWS}}
 
 
-@functools.lru_cache(maxsize=None)
 def a8_amx_min_rows(int4: bool) -> int | None:
     """From how many rows a w4a8 (``int4``) or w8a8 linear runs the AMX path of the int8-activation kernel:
     measured here (``a8_amx_times``, ``min_rows_faster``); None: never (no AMX, or slower at every row
     count). Both paths give the same result bit for bit, so the switch by row count keeps every row's
     result independent of the call's rows."""
+    return _a8_amx_min_rows(int4, a8_build())
+
+
+@functools.lru_cache(maxsize=None)
+def _a8_amx_min_rows(int4: bool, build: str) -> int | None:
     times = a8_amx_times(int4)
     return None if times is None else min_rows_faster(times, "amx", "vnni")
 
@@ -169,10 +189,14 @@ def pick_per_rows(seconds: dict[str, dict[int, float]], default: str, margin: fl
     return plan
 
 
-@functools.lru_cache(maxsize=None)
 def a8_measured_plan(int4: bool) -> dict[int, str]:
     """``pick_per_rows`` on ``a8_times`` without AMX (the default variant everywhere where it alone runs);
     AMX has its own rule, ``a8_amx_min_rows``."""
+    return _a8_measured_plan(int4, a8_build())
+
+
+@functools.lru_cache(maxsize=None)
+def _a8_measured_plan(int4: bool, build: str) -> dict[int, str]:
     times = a8_times(int4)
     default = woq_a8_variants.default_variant()
     others = {name: t for name, t in (times or {}).items() if name != woq_a8_variants.AMX}

@@ -103,11 +103,9 @@ def fake_a8_variants(monkeypatch):
     monkeypatch.setattr(cpu_kernel_choice, "a8_amx_min_rows", lambda int4: None)
     monkeypatch.setattr(cpu_kernel_choice.time, "perf_counter", lambda: clock[0])
     monkeypatch.delenv(woq_a8_variants.FORCE_ENV, raising=False)
-    cpu_kernel_choice.a8_times.cache_clear()
-    cpu_kernel_choice.a8_measured_plan.cache_clear()
+    cpu_kernel_choice.clear_a8_timings()
     yield ops
-    cpu_kernel_choice.a8_times.cache_clear()
-    cpu_kernel_choice.a8_measured_plan.cache_clear()
+    cpu_kernel_choice.clear_a8_timings()
 
 
 def test_the_load_time_plan_runs_the_faster_of_two_fake_timed_variants_at_each_row_count(fake_a8_variants):

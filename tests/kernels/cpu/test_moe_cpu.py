@@ -43,8 +43,7 @@ def a8_plans_of_this_build(kernel_isa):
     """The w4a8 / w8a8 linears' per-row variant plan is measured once per process for the build found
     then (variant names differ between builds): a test under another SPECDEC_CPU_ISA measures its own."""
     def clear(isa):
-        cpu_kernel_choice.a8_times.cache_clear()
-        cpu_kernel_choice.a8_measured_plan.cache_clear()
+        cpu_kernel_choice.clear_a8_timings()
         _plans_for[0] = isa
 
     if _plans_for[0] != kernel_isa:
