@@ -75,6 +75,7 @@ def choose_num_spec_tokens(
     draft_per_token: bool = True,
     weights: Sequence[float] | None = None,
     step_overhead: float = 0.0,
+    num_requests: int | None = None,
 ) -> list[int]:
     """Per-request K in 0..max_k maximising the batch's tokens per second.
 
@@ -99,6 +100,9 @@ def choose_num_spec_tokens(
     sampling, commit); a step that emits several tokens pays it once, so it makes rows cheaper
     relative to a step; left out, a target whose rows are costly (a mixture-of-experts one)
     looks as if no K paid for itself where K = 2..3 does.
+
+    ``num_requests``: the requests whose rows the target pass runs (these and the prefilling
+    ones), so the pass is priced for its batch bucket (``StepCostModel.costs``); None: by rows.
 
     ``weights`` (one per request, in (0, 1]) value each request's tokens: the objective's
     numerator becomes sum_i w_i E_i(K_i) + num_other_tokens, the cost is unchanged (see
@@ -136,7 +140,8 @@ def choose_num_spec_tokens(
     base_tokens = num_requests + num_other_tokens
     num_added = np.arange(gains.shape[0] + 1)  # [B * max_k + 1] prefixes
     value = float(w.sum()) + num_other_tokens + np.concatenate([[0.0], np.cumsum(gains)])
-    seconds = step_overhead + cost.costs("target", base_tokens + num_added) + np.concatenate([[0.0], np.cumsum(draft_delta)])
+    seconds = (step_overhead + cost.costs("target", base_tokens + num_added, num_requests)
+               + np.concatenate([[0.0], np.cumsum(draft_delta)]))
     throughput = value / np.maximum(seconds, 1e-30)
     best = int(np.flatnonzero(throughput >= throughput.max() * (1.0 - 1e-9))[0])
     return [best] if owner is None else np.bincount(owner[:best], minlength=num_requests).tolist()

@@ -78,13 +78,23 @@ class SpecController:
         and ``batch_sizes``, the target is priced on every batch size x 1..max_k + 1 rows instead:
         a mixture-of-experts target's pass costs what its rows' expert union costs, which grows
         with each row until every expert is read, so its v(K) bends where a dense model's is
-        nearly flat, and the bend is where "auto" must stop drafting."""
-        if time_shape is not None and batch_sizes:
+        nearly flat, and the bend is where "auto" must stop drafting.
+
+        A dense target (no ``batch_sizes``) is priced on one request's 1..max_k + 1 rows too, one
+        knot per row count: a CPU whose matrix kernel changes with the rows (AMX from a measured
+        row count on, ``layers.cpu_kernel_choice.a8_amx_min_rows``) makes v(K) a step function,
+        which knots at 1, 2, 4, 8 rows would smooth into a slope and misprice every K in between."""
+        if time_shape is not None:
             from specdec.spec_decode.cost_model import StepCostModel, shape_token_counts, verification_shapes
 
-            shapes = verification_shapes(batch_sizes, self.max_k + 1)
+            shapes = verification_shapes(batch_sizes or (1,), self.max_k + 1)
             self.cost = StepCostModel(shape_token_counts(shapes), self.cost.ema_rate)
             self.cost.calibrate_shapes(time_shape, shapes)
+            if not batch_sizes:  # larger decode batches: one row per request, as they run
+                covered = {batch * rows for batch, rows in shapes}
+                for n in (2, 4, 8, 16, 32, 64):
+                    if n not in covered:
+                        self.cost.set("target", n, time_forward("target", n))
         else:
             for n in (1, 2, 4, 8, 16, 32, 64):
                 self.cost.set("target", n, time_forward("target", n))
@@ -110,7 +120,7 @@ class SpecController:
             base_rows = sum(r.num_tokens - r.num_computed_tokens for r in running)
             max_nodes = self.tree_slots * max(1, len(running))
             budget = TreeBudget(base_rows, self.tree_calibration,
-                                self.cost.costs("target", base_rows + np.arange(max_nodes + 1)))
+                                self.cost.costs("target", base_rows + np.arange(max_nodes + 1), len(running)))
         return SpeculationPlan(dict.fromkeys(depths, self.tree_slots), depths, budget,
                                new_request_spec_tokens=self.tree_slots if new_k else 0)
 
@@ -127,7 +137,8 @@ class SpecController:
         alphas = self.acceptance.unseen_position_acceptance()[None]
         k = choose_num_spec_tokens(alphas, self.max_k, self.cost, num_other_tokens=num_running,
                                    draft_per_token=self.draft_is_model,
-                                   step_overhead=self.step_overhead(num_running + 1))[0]
+                                   step_overhead=self.step_overhead(num_running + 1),
+                                   num_requests=num_running + 1)[0]
         self._new_k, self._new_k_age = k, 0
         return k
 
@@ -152,6 +163,7 @@ class SpecController:
             else:  # rows of the same pass that never draft: prefill chunks, decode rows that opted out
                 others += r.num_tokens - r.num_computed_tokens
                 prefilling = prefilling or not decoding
+        num_requests = len(running)  # the pass's requests: its batch bucket prices the rows
         ids = [r.request_id for r in reqs]
         if ids and ids != self._last_ids:  # (a list compare: the batch rarely changes)
             new = len(set(ids).difference(self._last_ids))
@@ -164,7 +176,7 @@ class SpecController:
             # in the first case can the text have changed unseen since (the guard probes rarely)
             ks = [0] * len(reqs)
             if self.guard.backing_off(len(reqs)):
-                ks = self._explore(ids, others) or ks
+                ks = self._explore(ids, others, num_requests) or ks
         elif not prefilling and ids == self._idle_ids and self._idle_age < self._idle_limit:
             # the last plan drafted nothing for these same requests and no acceptance has been
             # observed since: the next few would say the same (planning is not free at large batches)
@@ -180,11 +192,22 @@ class SpecController:
                 weights = [weight[r.request_id] for r in reqs]
             # per-position conditional acceptance: copy-style proposers accept in bursts
             alphas = self.acceptance.position_acceptances(ids)
+            # the drafts planned now are verified next step, after this step emits at least one
+            # token: a request with r tokens left then has at most r - 1, so the scheduler grants
+            # no draft past r - 2 (``Scheduler._next_slots``); valued at 0 here, the batch's other
+            # requests are planned for the draft passes and rows the step will really run
+            ending = 0
+            for row, r in enumerate(reqs):
+                left = self.remaining_budget(r)
+                if left <= alphas.shape[1] + 1:
+                    alphas[row, max(0, left - 2):] = 0.0
+                    ending += left <= 2
             ks = choose_num_spec_tokens(alphas, self.max_k, self.cost, num_other_tokens=others,
                                         draft_per_token=self.draft_is_model, weights=weights,
-                                        step_overhead=self.step_overhead(len(reqs)))
-            if not any(ks) and not prefilling:  # a plan at K = 0 learns nothing unless it explores now and then
-                ks = self._explore(ids, others) or ks
+                                        step_overhead=self.step_overhead(len(reqs)), num_requests=num_requests)
+            if not any(ks) and not prefilling and ending < len(reqs):
+                # a plan at K = 0 learns nothing unless it explores now and then
+                ks = self._explore(ids, others, num_requests) or ks
             if not any(ks) and not prefilling:
                 # the same requests, no acceptance seen, and again nothing to draft: the costs alone
                 # drift too slowly to change that, so look less often
@@ -195,8 +218,8 @@ class SpecController:
                 self._idle_ids, self._idle_age = None, 0
         return dict(zip(ids, ks))
 
-    def _explore(self, ids: list[str], num_other_tokens: int) -> list[int] | None:
-        return self.explorer.plan(ids, num_other_tokens, self.cost, self.step_overhead(len(ids)))
+    def _explore(self, ids: list[str], num_other_tokens: int, num_requests: int) -> list[int] | None:
+        return self.explorer.plan(ids, num_other_tokens, self.cost, self.step_overhead(len(ids)), num_requests)
 
     def observe(self, record: StepRecord) -> None:
         """Learn from a finished step: acceptance per request, step costs, realised throughput."""
@@ -225,7 +248,7 @@ class SpecController:
             self._num_plain_steps += 1
             if self._num_plain_steps % self.observe_plain_every:
                 return
-        self.cost.observe("target", num_rows, result.target_seconds)
+        self.cost.observe("target", num_rows, result.target_seconds, len(sched.request_ids))
         # the step's proposal (the next step's drafts): a first pass that caught up on a whole prompt
         # (the step that computed it) costs many passes: read as the price of every pass it would say
         # drafting never pays, and with nothing drafted no later step would correct it

@@ -44,7 +44,16 @@ class StepCostModel:
     two neighbouring knots (weights = hat functions), with step max(ema_rate, 1/mass) so a
     knot averages its first observations and then tracks drift as an EMA. An unobserved
     kind costs 1.0 flat for "target" (memory-bound, see DESIGN.md) and 0.0 for "draft" (the
-    n-gram / suffix proposers)."""
+    n-gram / suffix proposers).
+
+    Priced per (requests, rows): one request's 8 rows and 8 requests' single rows share the
+    knot of 8 tokens but not their cost (8 requests read 8 contexts' KV; the other pass reads
+    one 8 times), and a server mixes both. So an observation that names its pass's
+    ``num_requests`` also teaches that batch bucket (requests rounded down to a power of two) its
+    ratio to the shared curve, per knot (hat weights, averaged then an EMA); a bucket's price is
+    the shared curve times its ratios, interpolated between the knots it has seen and flat beyond
+    them (1 with none seen). An engine serving one batch size reads the shared curve, scaled by a
+    ratio near 1."""
 
     def __init__(self, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS, ema_rate: float = 0.05):
         counts = list(token_counts)
@@ -58,15 +67,31 @@ class StepCostModel:
         self._mass = {kind: np.zeros(len(counts)) for kind in KINDS}  # [num_knots] observation weight
         self._calibrated = {kind: np.zeros(len(counts)) for kind in KINDS}  # [num_knots] set() values
         self._observed = {kind: np.zeros(len(counts), dtype=bool) for kind in KINDS}  # [num_knots] by observe()
-        # kind -> (knots, monotone values, slope beyond the last knot): what ``costs`` reads, rebuilt
-        # after a change (the planner asks many times per step, a step changes one knot at most)
-        self._curves: dict[str, tuple[np.ndarray, np.ndarray, float] | None] = dict.fromkeys(KINDS)
+        # (kind, batch bucket) -> [num_knots, 2]: observed / shared-curve seconds per knot, its mass
+        self._ratios: dict[tuple[str, int], np.ndarray] = {}
+        # kind or (kind, bucket) -> (knots, monotone values, slope beyond the last knot): what ``costs``
+        # reads, rebuilt after a change (the planner asks many times per step, a step changes few knots)
+        self._curves: dict[str | tuple[str, int], tuple[np.ndarray, np.ndarray, float]] = {}
 
     def has_observations(self, kind: str) -> bool:
         _validate_kind(kind)
         return bool(self._mass[kind].any())
 
-    def observe(self, kind: str, num_tokens: int, seconds: float) -> None:
+    @staticmethod
+    def bucket(num_requests: int) -> int:
+        """The batch bucket of a pass over ``num_requests`` requests: 1, 2-3, 4-7, 8-15, ..."""
+        return max(1, num_requests).bit_length()
+
+    def _neighbours(self, num_tokens: float) -> tuple[int, int, float]:
+        """(lower knot, upper knot, weight of the upper one) around ``num_tokens`` (within the knots)."""
+        knots = self.token_counts
+        hi = min(int(np.searchsorted(knots, num_tokens)), len(knots) - 1)
+        lo = hi if knots[hi] == num_tokens else hi - 1
+        return lo, hi, 1.0 if lo == hi else (num_tokens - knots[lo]) / (knots[hi] - knots[lo])
+
+    def observe(self, kind: str, num_tokens: int, seconds: float, num_requests: int | None = None) -> None:
+        """One pass of ``num_tokens`` rows took ``seconds``; ``num_requests`` (the requests the rows
+        belong to) also teaches that batch bucket its ratio to the shared curve."""
         _validate_kind(kind)
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens!r}")
@@ -76,10 +101,11 @@ class StepCostModel:
         if num_tokens > knots[-1]:  # fold into the last knot under the proportional assumption
             seconds, num_tokens = seconds * knots[-1] / num_tokens, knots[-1]
         num_tokens = max(num_tokens, knots[0])
-        hi = min(int(np.searchsorted(knots, num_tokens)), len(knots) - 1)
-        lo = hi if knots[hi] == num_tokens else hi - 1
-        w_hi = 1.0 if lo == hi else (num_tokens - knots[lo]) / (knots[hi] - knots[lo])
-        residual = seconds - (self.cost(kind, num_tokens) if mass.any() else seconds)
+        lo, hi, w_hi = self._neighbours(num_tokens)
+        shared = self.cost(kind, num_tokens) if mass.any() else seconds
+        if num_requests is not None and shared > 0.0:
+            self._observe_ratio(kind, self.bucket(num_requests), lo, hi, w_hi, seconds / shared)
+        residual = seconds - shared
         fresh = [knot for knot in {lo, hi} if not self._observed[kind][knot]]
         if fresh:  # a calibration-only knot starts from its rescaled value
             values[fresh] = self._knot_values(kind)[fresh]
@@ -93,7 +119,21 @@ class StepCostModel:
                 values[knot] = max(values[knot], 0.0)  # the two-knot LMS step can overshoot below 0
             mass[knot] += weight
             self._observed[kind][knot] = True
-        self._curves[kind] = None
+        self._changed(kind)
+
+    def _observe_ratio(self, kind: str, bucket: int, lo: int, hi: int, w_hi: float, ratio: float) -> None:
+        ratios = self._ratios.setdefault((kind, bucket), np.zeros((len(self.token_counts), 2)))
+        for knot, weight in ((lo, 1.0 - w_hi), (hi, w_hi)) if lo != hi else ((hi, 1.0),):
+            if weight <= 0.0:
+                continue
+            value, mass = ratios[knot]
+            step = 1.0 if mass == 0.0 else max(self.ema_rate, weight / (mass + weight)) * weight
+            ratios[knot] = value + step * (ratio - value), mass + weight
+
+    def _changed(self, kind: str) -> None:
+        """Drop the cached curves of ``kind`` (its buckets' too: they scale the shared one)."""
+        self._curves = {key: curve for key, curve in self._curves.items()
+                        if (key if isinstance(key, str) else key[0]) != kind}
 
     def set(self, kind: str, num_tokens: int, seconds: float) -> None:
         """Overwrite a knot with a trusted measurement (calibration)."""
@@ -105,7 +145,7 @@ class StepCostModel:
         self._mass[kind][matches[0]] = max(self._mass[kind][matches[0]], 1.0)
         self._calibrated[kind][matches[0]] = seconds
         self._observed[kind][matches[0]] = False
-        self._curves[kind] = None
+        self._changed(kind)
 
     def _knot_values(self, kind: str) -> np.ndarray:
         """Knot seconds, with knots known only from calibration rescaled by the observed /
@@ -123,28 +163,42 @@ class StepCostModel:
         values[stale] = calibrated[stale] * np.interp(stale, anchors, ratios)  # flat beyond the ends
         return values
 
-    def costs(self, kind: str, num_tokens: np.ndarray) -> np.ndarray:
-        """Vectorised ``cost``: num_tokens [N] -> seconds [N]."""
+    def costs(self, kind: str, num_tokens: np.ndarray, num_requests: int | None = None) -> np.ndarray:
+        """Vectorised ``cost``: num_tokens [N] -> seconds [N] (of a pass over ``num_requests``
+        requests: its batch bucket's price, where that bucket has been observed)."""
         _validate_kind(kind)
         num_tokens = np.asarray(num_tokens, dtype=np.float64)
-        curve = self._curves[kind]
-        if curve is None:
-            observed = self._mass[kind] > 0
-            if not observed.any():
-                return np.where(num_tokens > 0, 1.0 if kind == "target" else 0.0, 0.0)
-            knots, values = self.token_counts[observed], self._knot_values(kind)[observed]
-            # a pass over more tokens never costs less: knots fed by different step mixes (prefill
-            # chunks, long and short contexts) can disagree, and a dip would read as free tokens
-            values = np.maximum.accumulate(values)
-            slope = max(0.0, (values[-1] - values[-2]) / (knots[-1] - knots[-2])) if knots.shape[0] > 1 else 0.0
-            curve = self._curves[kind] = (knots, values, slope)
+        observed = self._mass[kind] > 0
+        if not observed.any():
+            return np.where(num_tokens > 0, 1.0 if kind == "target" else 0.0, 0.0)
+        key = kind if num_requests is None or (kind, self.bucket(num_requests)) not in self._ratios \
+            else (kind, self.bucket(num_requests))
+        curve = self._curves.get(key) or self._curve(key, observed)
         knots, values, slope = curve
         inside = np.interp(num_tokens, knots, values)
         beyond = values[-1] + slope * (num_tokens - knots[-1])
         return np.where(num_tokens <= 0, 0.0, np.where(num_tokens > knots[-1], beyond, inside))
 
-    def cost(self, kind: str, num_tokens: int) -> float:
-        return float(self.costs(kind, np.asarray([num_tokens]))[0])
+    def _curve(self, key: str | tuple[str, int], observed: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+        """(knots, monotone values, slope beyond the last knot) of a kind's shared curve, or of a
+        (kind, bucket): the shared curve's values times the bucket's ratios (which were measured
+        against those values)."""
+        if isinstance(key, str):
+            knots, values = self.token_counts[observed], self._knot_values(key)[observed]
+        else:
+            knots, shared, _ = self._curves.get(key[0]) or self._curve(key[0], observed)
+            ratios = self._ratios[key]
+            seen = ratios[:, 1] > 0
+            values = shared * np.interp(knots, self.token_counts[seen], ratios[seen, 0])
+        # a pass over more tokens never costs less: knots fed by different step mixes (prefill
+        # chunks, long and short contexts) can disagree, and a dip would read as free tokens
+        values = np.maximum.accumulate(values)
+        slope = max(0.0, (values[-1] - values[-2]) / (knots[-1] - knots[-2])) if knots.shape[0] > 1 else 0.0
+        curve = self._curves[key] = (knots, values, slope)
+        return curve
+
+    def cost(self, kind: str, num_tokens: int, num_requests: int | None = None) -> float:
+        return float(self.costs(kind, np.asarray([num_tokens]), num_requests)[0])
 
     def calibrate(
         self,

@@ -48,21 +48,24 @@ class Explorer:
         self._planned: tuple[frozenset[str], float] | None = None
         self._verifying: tuple[frozenset[str], float] | None = None
 
-    def plan(self, ids: list[str], num_other_tokens: int, cost: StepCostModel, step_overhead: float) -> list[int] | None:
-        """K per request (all 1) if this all-zero step should explore, else None."""
+    def plan(self, ids: list[str], num_other_tokens: int, cost: StepCostModel, step_overhead: float,
+             num_requests: int | None = None) -> list[int] | None:
+        """K per request (all 1) if this all-zero step should explore, else None. ``num_requests``:
+        the pass's requests (its batch bucket's price; None: priced by rows)."""
         if self.credit is None or not ids or self.max_k < 1:
             return None
         num = len(ids)
         base_rows = num + num_other_tokens
-        if self.credit < self._extra_seconds(cost, base_rows, num):
+        if self.credit < self._extra_seconds(cost, base_rows, num, num_requests):
             return None
         from specdec.spec_decode.adaptive import choose_num_spec_tokens
 
         optimistic = np.repeat(self.acceptance.optimistic_position_acceptance(self.z)[None], num, axis=0)
         if not any(choose_num_spec_tokens(optimistic, self.max_k, cost, num_other_tokens=num_other_tokens,
-                                          draft_per_token=self.draft_is_model, step_overhead=step_overhead)):
+                                          draft_per_token=self.draft_is_model, step_overhead=step_overhead,
+                                          num_requests=num_requests)):
             return None
-        self._planned = (frozenset(ids), (cost.cost("target", base_rows) + step_overhead) / num)
+        self._planned = (frozenset(ids), (cost.cost("target", base_rows, num_requests) + step_overhead) / num)
         return [1] * num
 
     def observe(self, record: StepRecord, cost: StepCostModel) -> None:
@@ -83,9 +86,11 @@ class Explorer:
                 num_drafts, num_accepted = num_drafts + drafted, num_accepted + accepted
         if num_drafts:
             base_rows = sum(record.scheduled.num_scheduled_tokens) + sum(result.num_draft_tokens) - num_drafts
-            self.credit -= self._extra_seconds(cost, base_rows, num_drafts) - num_accepted * seconds_per_token
+            self.credit -= (self._extra_seconds(cost, base_rows, num_drafts, len(record.scheduled.request_ids))
+                            - num_accepted * seconds_per_token)
 
-    def _extra_seconds(self, cost: StepCostModel, base_rows: int, num_drafts: int) -> float:
+    def _extra_seconds(self, cost: StepCostModel, base_rows: int, num_drafts: int,
+                       num_requests: int | None = None) -> float:
         """A step's seconds beyond plain decoding for ``num_drafts`` one-token drafts among ``base_rows``."""
-        rows = cost.cost("target", base_rows + num_drafts) - cost.cost("target", base_rows)
+        rows = cost.cost("target", base_rows + num_drafts, num_requests) - cost.cost("target", base_rows, num_requests)
         return rows + (cost.cost("draft", num_drafts) if self.draft_is_model else 0.0)

@@ -23,15 +23,22 @@ class ThroughputGuard:
     "Slower" means slower beyond the noise of the two rates (``z`` standard errors): at batch 1
     a speculating step's tokens vary from 1 to K + 1, so a few unlucky steps of a good draft can
     average below plain decoding. At large batches a step's tokens are a sum over its requests,
-    the standard error is small and the guard stays sharp."""
+    the standard error is small and the guard stays sharp.
+
+    A rate counts once its arm has ``min_steps`` steps, the plain one ``min_plain_steps``: a plain
+    step's tokens are fixed (one per request) and its time varies little, so two fix that rate as
+    well as six, and each plain step an engine takes to learn it gives up a speculating step's
+    tokens (at batch 1, in the engine's first answer)."""
 
     def __init__(self, probe_every: int = 32, min_steps: int = 6, ema_rate: float = 0.1, margin: float = 0.0,
-                 max_backoff: int = 8, z: float = 2.0, clear_win: float = 1.3):
-        if probe_every < 2 or min_steps < 1 or not 0.0 < ema_rate <= 1.0 or not 0.0 <= margin < 1.0 \
-                or max_backoff < 1 or not z >= 0.0:
+                 max_backoff: int = 8, z: float = 2.0, clear_win: float = 1.3, min_plain_steps: int = 2):
+        if probe_every < 2 or min_steps < 1 or min_plain_steps < 1 or not 0.0 < ema_rate <= 1.0 \
+                or not 0.0 <= margin < 1.0 or max_backoff < 1 or not z >= 0.0:
             raise ValueError(f"bad ThroughputGuard settings: probe_every={probe_every}, min_steps={min_steps}, "
-                             f"ema_rate={ema_rate}, margin={margin}, max_backoff={max_backoff}, z={z}")
+                             f"min_plain_steps={min_plain_steps}, ema_rate={ema_rate}, margin={margin}, "
+                             f"max_backoff={max_backoff}, z={z}")
         self.probe_every, self.min_steps, self.ema_rate, self.margin = probe_every, min_steps, ema_rate, margin
+        self.min_plain_steps = min_plain_steps
         self.max_backoff, self.z, self.clear_win = max_backoff, z, clear_win
         self._backoff: dict[int, tuple[int, int]] = {}  # bucket -> (step of the last probe, steps to the next)
         # bucket -> per arm ("spec", "plain") EMAs [tokens, seconds, observations, tokens^2, seconds^2,
@@ -46,7 +53,7 @@ class ThroughputGuard:
 
     def rate(self, num_decoding: int, arm: str) -> float | None:
         stats = self._arms.get(self.bucket(num_decoding), {}).get(arm)
-        if stats is None or stats[2] < self.min_steps:
+        if stats is None or stats[2] < (self.min_plain_steps if arm == "plain" else self.min_steps):
             return None
         return stats[0] / stats[1] if stats[1] > 0 else None
 

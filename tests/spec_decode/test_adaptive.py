@@ -475,3 +475,27 @@ def test_tree_nodes_follow_the_price_of_rows():
     some = choose_num_tree_nodes(gains, 1, cost_model(lambda n: 0.02 + 0.001 * n))[0]
     assert 1 <= some < 6
     assert choose_num_tree_nodes([[], []], 2, cost_model(lambda n: 0.02)) == [0, 0]
+
+
+def test_throughput_guard_learns_the_plain_rate_in_two_plain_steps():
+    """A fresh engine at batch 1: every other step is plain until the plain rate is known. A plain
+    step emits one token in about the same time every time, so two fix it; the speculating arm,
+    whose steps emit 1..K+1 tokens, still needs six before the guard may call it a loss."""
+    from specdec.spec_decode.throughput_guard import ThroughputGuard
+
+    guard = ThroughputGuard()
+    plain_steps = []
+    for step in range(40):
+        speculating = guard.allow(1)
+        if not speculating:
+            plain_steps.append(step)
+        guard.observe(1, speculated=speculating, tokens=5 if speculating else 1, seconds=0.1 if speculating else 0.05)
+    assert plain_steps == [1, 3]
+    assert guard.rate(1, "plain") == pytest.approx(20.0)
+    losing = ThroughputGuard()
+    for _ in range(5):  # speculation slower than plain, but only 5 steps of it: not yet a verdict
+        losing.observe(1, speculated=True, tokens=1, seconds=0.1)
+        losing.observe(1, speculated=False, tokens=1, seconds=0.05)
+    assert losing.rate(1, "spec") is None and losing.allow(1)
+    losing.observe(1, speculated=True, tokens=1, seconds=0.1)
+    assert not any(losing.allow(1) for _ in range(8))

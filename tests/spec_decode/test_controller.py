@@ -63,6 +63,15 @@ def test_remaining_budget_is_capped_by_the_context():
     assert controller(max_model_len=100).remaining_budget(decoding("b", 20, 5)) == 15
 
 
+@pytest.mark.parametrize("left, most", [(1, 0), (2, 0), (3, 1), (4, 2)])
+def test_no_drafts_past_the_tokens_a_request_has_left(left, most):
+    """A request with r tokens to go emits at least one this step and at most r - 1 in the next,
+    which verifies the drafts planned now: a draft past r - 2 would be dropped unseen."""
+    far = ks(controller(), [decoding("lead", 64, 10)])[0]
+    assert far >= 3  # far from its end
+    assert ks(controller(), [decoding("lead", 64, 64 - left)]) == [most]
+
+
 def test_equal_budgets_plan_as_before():
     a, b = decoding("lead", 256, 40), decoding("lag", 256, 40)
     ctl = controller()
@@ -95,12 +104,12 @@ def test_a_plan_that_drafts_nothing_is_reused_a_few_steps_until_acceptance_chang
 def test_the_cost_model_is_fed_the_rows_the_target_ran_not_the_slots_reserved():
     ctl = controller()
     seen = []
-    ctl.cost.observe = lambda kind, num_tokens, seconds: seen.append((kind, num_tokens))
+    ctl.cost.observe = lambda kind, num_tokens, seconds, num_requests=None: seen.append((kind, num_tokens, num_requests))
     # K = 4 reserved for each of 4 requests, but the proposer found drafts for one only
     step = record([f"r{i}" for i in range(4)], [2, 0, 0, 0], [1, 0, 0, 0])
     step.scheduled.num_spec_slots = [4] * 4
     ctl.observe(step)
-    assert seen == [("target", 6)]
+    assert seen == [("target", 6, 4)]  # 6 rows of 4 requests: priced for that batch bucket
 
 
 def test_observe_updates_acceptance_from_the_step_record():

@@ -109,10 +109,32 @@ def test_controller_calibrates_shapes_when_the_worker_gives_batch_sizes():
     assert timed == [(b, q) for b in (1, 2, 4) for q in range(1, 7)]
     assert ctl.cost.cost("target", 3) == pytest.approx(moe_step(1, 3))
     assert ctl.cost.cost("target", 20) == pytest.approx(moe_step(4, 5))
-    # a dense target (no batch sizes): the token-count knots, and no shape is timed
+    # a dense target (no batch sizes): one request's 1..max_k + 1 rows, then one row per request
+    # for the larger knots (decode batches)
     ctl, timed[:] = SpecController(max_k=5, adaptive=True, draft_is_model=False), []
-    ctl.calibrate(time_forward, time_shape, ())
-    assert timed == [] and ctl.cost.cost("target", 4) == pytest.approx(dense_step(4, 1))
+    ctl.calibrate(time_forward, lambda batch, rows: timed.append((batch, rows)) or dense_step(batch, rows), ())
+    assert timed == [(1, q) for q in range(1, 7)]
+    assert ctl.cost.cost("target", 16) == pytest.approx(dense_step(16, 1))
+
+
+def amx_step(batch: int, rows: int) -> float:
+    """A dense w4a8 pass on a CPU whose int8 linears switch to AMX tiles from 6 rows on: below, the
+    VNNI kernel's cost grows with the rows; from there, tiles make the rows nearly free."""
+    total = batch * rows
+    return 0.030 + (0.006 * (total - 1) if total < 6 else 0.022 + 0.0002 * total)
+
+
+def test_a_dense_target_is_priced_at_every_row_count_of_one_request():
+    """The AMX switch makes v(K) a step: knots at 1, 2, 4, 8 rows would draw a line from 4 rows to
+    8 and price 5 rows (K = 4) below what it costs; one knot per row count reads each."""
+    ctl = SpecController(max_k=7, adaptive=True, draft_is_model=False)
+    ctl.calibrate(lambda kind, n: 0.0 if kind == "draft" else amx_step(n, 1), amx_step, ())
+    for rows in range(1, 9):
+        assert ctl.cost.cost("target", rows) == pytest.approx(max(amx_step(1, r) for r in range(1, rows + 1)))
+    interpolated = StepCostModel()
+    for n in (1, 2, 4, 8):
+        interpolated.set("target", n, amx_step(n, 1))
+    assert interpolated.cost("target", 5) < 0.98 * amx_step(1, 5)  # the smoothing the knots avoid
 
 
 def test_a_per_step_overhead_makes_verification_rows_relatively_cheaper():
@@ -137,3 +159,28 @@ def test_controller_learns_the_step_overhead_from_decode_steps():
     assert ctl.step_overhead(8) == 0.0  # another batch bucket: not seen yet
     ctl.observe(record(["a"], [0], [0], num_scheduled=[5], target_seconds=0.01, step_seconds=0.5))  # a prefill
     assert ctl.step_overhead(1) == pytest.approx(0.025)
+
+
+def test_one_request_s_rows_and_many_requests_single_rows_are_priced_apart():
+    """A server alternates batch-1 verifications of 8 rows with batch-8 plain decode steps (8 rows
+    too, but 8 contexts' KV to read): one knot of 8 tokens would price both at their mix, making
+    K = 7 at batch 1 look dearer than it is and a batch-8 step cheaper."""
+    def one_request(rows):
+        return 0.030 + 0.001 * rows
+
+    cost = StepCostModel(tuple(range(1, 10)) + (16, 32))
+    for _ in range(60):
+        for rows in range(1, 10):
+            cost.observe("target", rows, one_request(rows), num_requests=1)
+        cost.observe("target", 8, 0.050, num_requests=8)
+        cost.observe("target", 16, 0.056, num_requests=8)  # batch 8 verifying one draft each
+    shared = cost.cost("target", 8)
+    assert one_request(8) < shared - 0.002 and shared < 0.050 - 0.002  # the mix fits neither
+    assert cost.cost("target", 8, num_requests=1) == pytest.approx(one_request(8), rel=0.02)
+    assert cost.cost("target", 8, num_requests=8) == pytest.approx(0.050, rel=0.02)
+    assert cost.cost("target", 8, num_requests=12) == cost.cost("target", 8, num_requests=8)  # one bucket: 8-15
+    assert cost.cost("target", 16, num_requests=8) == pytest.approx(0.056, rel=0.02)
+    assert cost.cost("target", 8, num_requests=32) == shared  # a bucket never seen: the shared curve
+    # what the planner reads: at batch 1 the rows cost what one request's rows cost
+    for k in range(9):
+        assert cost.cost("target", k + 1, num_requests=1) == pytest.approx(one_request(k + 1), rel=0.02)

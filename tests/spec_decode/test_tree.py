@@ -253,7 +253,7 @@ def test_adaptive_trees_stay_greedy_identical_and_size_themselves(llama_path, no
     # a priced machine (tiny models' real timings are noise): a pass costs 20 ms + 0.5 ms per row,
     # a draft pass 1 ms, so deep trees pay for some nodes but not for all of them
     cost = llm.engine.spec_controller.cost
-    cost.costs = lambda kind, n: np.where(np.asarray(n, dtype=float) > 0,
+    cost.costs = lambda kind, n, num_requests=None: np.where(np.asarray(n, dtype=float) > 0,
                                           0.02 + 0.0005 * np.asarray(n, dtype=float) if kind == "target" else 0.001, 0.0)
     cost.observe = lambda *args: None
     sizes = []
