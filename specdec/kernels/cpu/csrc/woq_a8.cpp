@@ -190,32 +190,17 @@ void quantize_row(const float* row, int64_t K, bool int4, uint8_t* out, float* x
 #include "woq_a8_variants.h"
 
 #if defined(__AMX_INT8__)
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // tiles 0, 1: C (rows x 16 int32) of an even and an odd unit; 2, 3: their A (rows x E bytes); 4, 5: B
 // (E / 4 rows of 64 bytes). Two units in flight: tile registers are not renamed, so one unit's
 // product would otherwise wait for the previous unit's store.
 void configure_a8(int rows, int E) {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
+  specdec_cpu_common::TileConfig cfg;
   for (int t = 0; t < 2; ++t) {
-    cfg.rows[t] = static_cast<uint8_t>(rows);
-    cfg.colsb[t] = 64;
-    cfg.rows[2 + t] = static_cast<uint8_t>(rows);
-    cfg.colsb[2 + t] = static_cast<uint16_t>(E);
-    cfg.rows[4 + t] = static_cast<uint8_t>(E / 4);
-    cfg.colsb[4 + t] = 64;
+    cfg.set(t, rows, 64);
+    cfg.set(2 + t, rows, E);
+    cfg.set(4 + t, E / 4, 64);
   }
-  // not _tile_loadconfig: gcc 12 declares it to read 8 bytes, so the stores of rows and colsb
-  // above may be dropped as dead (then the first tile instruction faults)
-  asm volatile("ldtilecfg %0" : : "m"(cfg));
+  cfg.load();
 }
 
 // int4: the vectors of inputs [k_begin, k_end) of a block at wp as B rows, 64 bytes each (low nibbles
