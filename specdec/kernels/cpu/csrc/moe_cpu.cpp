@@ -111,21 +111,42 @@ RowsTile rows_tile_for(int sf) {
 }
 
 #if defined(__AMX_INT8__)
-// rows 0 .. M - 1 of block blk through AMX tiles (woq_a8_amx.h's amx_block); `configured`: the row
+// rows 0 .. M - 1 of block blk through AMX tiles: run_amx_format's per-block steps (inputs in chunks
+// whose B operands stay in L1, 16-row passes, the last one ending at row M); `configured`: the row
 // count this thread's tiles are configured for (-1: none yet)
 template <bool INT4, int SF>
-void rows_tile_amx(const Args& a, int64_t blk, int64_t M, const RowScales& rs, int& configured) {
-  thread_local AmxScratch scratch;
-  scratch.reserve(a.K, M, INT4);
+void rows_tile_amx(const Args& a, int64_t blk, int64_t M, int& configured) {
+  const int64_t chunks = (16 * a.K + kAmxChunkBytes - 1) / kAmxChunkBytes;
+  const int64_t chunk = ((a.K + chunks - 1) / chunks + 63) / 64 * 64;
+  thread_local std::vector<uint8_t> unpacked;
+  thread_local std::vector<float> acc;
+  if (INT4 && static_cast<int64_t>(unpacked.size()) < 16 * chunk) unpacked.resize(16 * chunk);
+  if (static_cast<int64_t>(acc.size()) < 16 * M) acc.resize(16 * M);
   const int rows = static_cast<int>(std::min(M, kAmxRows));
   if (rows != configured) {
     configure_a8(rows, static_cast<int>(a.E));
     configured = rows;
   }
-  amx_block<INT4, SF>(a, blk, M, rs, scratch);
+  const uint8_t* wp = a.w + blk * a.blk_bytes;
+  for (int64_t kb = 0; kb < a.K; kb += chunk) {
+    const int64_t ke = std::min(a.K, kb + chunk);
+    const uint8_t* b = wp + 16 * kb;
+    if (INT4) {
+      unpack_int4(wp, kb, ke, unpacked.data());
+      b = unpacked.data();
+    }
+    if (M < kAmxRows) {
+      tile_amx<INT4, SF, false>(a, blk, 0, rows, kb, ke, b, acc.data(), 0);
+      continue;
+    }
+    for (int64_t r = 0; r < M; r += kAmxRows) {
+      const int64_t r0 = std::min(r, M - kAmxRows);
+      tile_amx<INT4, SF, true>(a, blk, r0, kAmxRows, kb, ke, b, acc.data() + 16 * r0, static_cast<int>(r - r0));
+    }
+  }
 }
 
-using RowsTileAmx = void (*)(const Args&, int64_t, int64_t, const RowScales&, int&);
+using RowsTileAmx = void (*)(const Args&, int64_t, int64_t, int&);
 
 template <bool INT4>
 RowsTileAmx rows_tile_amx_for(int sf) {
@@ -183,12 +204,6 @@ void run_experts(const Stacked& st, const Groups& g, Gathered& in, float* out, c
   const RowsTile vnni = st.int4 ? rows_tile_for<true>(st.sf) : rows_tile_for<false>(st.sf);
 #if defined(__AMX_INT8__)
   const RowsTileAmx amx = st.int4 ? rows_tile_amx_for<true>(st.sf) : rows_tile_amx_for<false>(st.sf);
-  std::vector<RowScales> scales(g.expert.size());  // per touched expert whose rows run AMX tiles
-  for (size_t i = 0; i < g.expert.size(); ++i) {
-    const int64_t s = g.start[i], M = g.count[i];
-    if (st.amx(M)) scales[i].fill(st.expert(g.expert[i], in.q_row(s), in.xs_row(s), in.xsx_row(s), out + s * N), M,
-                                  st.int4);
-  }
 #endif
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     int configured = -1;
@@ -196,7 +211,7 @@ void run_experts(const Stacked& st, const Groups& g, Gathered& in, float* out, c
       const int64_t i = u / blocks, blk = u % blocks, s = g.start[i], M = g.count[i];
       const Args a = st.expert(g.expert[i], in.q_row(s), in.xs_row(s), in.xsx_row(s), out + s * N);
 #if defined(__AMX_INT8__)
-      if (st.amx(M)) amx(a, blk, M, scales[i], configured);
+      if (st.amx(M)) amx(a, blk, M, configured);
       else vnni(a, blk, M);
 #else
       vnni(a, blk, M);

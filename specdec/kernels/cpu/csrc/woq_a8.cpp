@@ -32,11 +32,14 @@
 // Every (row, output) result is the same instruction sequence whatever M is and whichever rows
 // share its tile, so row i of an M-row call equals the 1-row call bit for bit.
 //
-// AMX (built with -mamx-int8 where the CPU has amx_int8; a8_linear_amx; woq_a8_amx.h): the unit's
-// integer sums of up to 16 rows come from one tile product instead of 8 vpdpbusd per row; the sums
-// are exact integers, the same as the VNNI path's, and the float scaling after them is the same
-// instructions in the same order, so a8_linear_amx equals a8_linear bit for bit and a caller may
-// pick either per call by its row count.
+// AMX (built with -mamx-int8 where the CPU has amx_int8; a8_linear_amx): the unit's integer sums
+// of up to 16 rows come from one tile product instead of 8 vpdpbusd per row: tile A holds the rows'
+// s8 activations of the unit (natural order), tile B the unit's weights, 4 inputs of 16 outputs per
+// 64-byte row, which is the int8 layout's vector as it is (int4: each vector's low nibbles, then its
+// high ones, unpacked into a buffer: inputs 8j .. 8j + 3, then 8j + 4 .. 8j + 7); int8 by tdpbssd,
+// int4 by tdpbsud (u8 weights). The sums are exact integers, the same as the VNNI path's, and
+// the float scaling after them is the same instructions in the same order, so a8_linear_amx
+// equals a8_linear bit for bit and a caller may pick either per call by its row count.
 //
 // Variants (AVX-512 VNNI build; woq_a8_variants.h): a8_linear_vnni512_bcast, a8_linear_vnni256 and
 // a8_linear_bf16 run other instruction sequences for the same sums and scaling, equal to a8_linear
@@ -186,7 +189,142 @@ void quantize_row(const float* row, int64_t K, bool int4, uint8_t* out, float* x
 
 #include "woq_a8_variants.h"
 
-#include "woq_a8_amx.h"
+#if defined(__AMX_INT8__)
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// tiles 0, 1: C (rows x 16 int32) of an even and an odd unit; 2, 3: their A (rows x E bytes); 4, 5: B
+// (E / 4 rows of 64 bytes). Two units in flight: tile registers are not renamed, so one unit's
+// product would otherwise wait for the previous unit's store.
+void configure_a8(int rows, int E) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 2; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(rows);
+    cfg.colsb[t] = 64;
+    cfg.rows[2 + t] = static_cast<uint8_t>(rows);
+    cfg.colsb[2 + t] = static_cast<uint16_t>(E);
+    cfg.rows[4 + t] = static_cast<uint8_t>(E / 4);
+    cfg.colsb[4 + t] = 64;
+  }
+  // not _tile_loadconfig: gcc 12 declares it to read 8 bytes, so the stores of rows and colsb
+  // above may be dropped as dead (then the first tile instruction faults)
+  asm volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+// int4: the vectors of inputs [k_begin, k_end) of a block at wp as B rows, 64 bytes each (low nibbles
+// of vector j: row 2j, high: row 2j + 1), so the unit at input k starts at rows + 16 * (k - k_begin)
+inline void unpack_int4(const uint8_t* wp, int64_t k_begin, int64_t k_end, uint8_t* rows) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t j = k_begin / 8; j < k_end / 8; ++j) {
+    const uint8_t* p = wp + 64 * j;
+    _mm_prefetch(reinterpret_cast<const char*>(p) + specdec_cpu_common::kStreamAhead, _MM_HINT_T1);
+    const __m512i v = _mm512_loadu_si512(p);
+    uint8_t* out = rows + 128 * (j - k_begin / 8);
+    _mm512_storeu_si512(out, _mm512_and_si512(v, low4));
+    _mm512_storeu_si512(out + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+  }
+}
+
+// group_values for group g whose super-block is sb (two-level), without its divisions
+template <int SF>
+__attribute__((always_inline)) inline __m512 amx_group_values(const Args& a, const void* v, const float* sup,
+                                                             int64_t blk, int64_t g, int64_t sb) {
+  const int64_t at = (blk * a.ng + g) * kBlock;
+  if (SF == kF32) return _mm512_loadu_ps(static_cast<const float*>(v) + at);
+  if (SF == kF16)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(v) + at)));
+  const __m512 codes = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(v) + at))));
+  return _mm512_mul_ps(codes, _mm512_loadu_ps(sup + (blk * a.nsb + sb) * kBlock));
+}
+
+// One pass of a tile: rows r0 .. r0 + rows - 1 of block blk over inputs [k_begin, k_end), B operands
+// at b (the unit at input k at b + 16 * (k - k_begin)), tiles configured for these rows and E.
+// acc [rows][16] holds the rows' float sums between passes over a block's inputs (read unless
+// k_begin is 0); at k_end = K they go to y instead. Rows below `kept` are computed but neither
+// stored nor written (another pass owns them). FULL: rows is 16.
+// Per pair of units, the integer sums by tiles, stored; then the float scaling of tile() above, unit
+// by unit, row by row, on the pair stored one step earlier (a load right after the tile store
+// would wait for it), with the rows' float sums in registers across the inputs.
+template <bool INT4, int SF, bool FULL>
+void tile_amx(const Args& a, int64_t blk, int64_t r0, int rows, int64_t k_begin, int64_t k_end, const uint8_t* b,
+              float* acc, int kept) {
+  alignas(64) int32_t isum[2][2][16 * 16];  // [pair parity][unit of the pair][row][output]
+  __m512 f[16];
+#pragma GCC unroll 16
+  for (int m = 0; m < 16; ++m)
+    f[m] = (FULL || m < rows) && k_begin > 0 ? _mm512_loadu_ps(acc + 16 * m) : _mm512_setzero_ps();
+  __m512 sv = _mm512_setzero_ps(), ov = _mm512_setzero_ps();
+  const uint8_t* xq = a.xq + r0 * a.K;
+  const float* xs = a.xs + r0 * a.nab;
+  const float* xsx = INT4 ? a.xsx + r0 * a.nab : nullptr;
+  // the group of the next unit to scale, where the one after it starts, and (two-level) its super-block
+  int64_t g = k_begin / a.G, next_group = k_begin, sb = g * a.G / a.S, next_super = (sb + 1) * a.S;
+  const int64_t step = 2 * a.E;
+  for (int64_t k0 = k_begin, i = 0; k0 < k_end + step; k0 += step, ++i) {
+    if (k0 < k_end) {
+      const int64_t k1 = k0 + a.E;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_loadd(2, xq + k0, a.K);
+      _tile_loadd(3, xq + k1, a.K);
+      _tile_loadd(4, b + 16 * (k0 - k_begin), 64);
+      _tile_loadd(5, b + 16 * (k1 - k_begin), 64);
+      if (INT4) {
+        _tile_dpbsud(0, 2, 4);
+        _tile_dpbsud(1, 3, 5);
+      } else {
+        _tile_dpbssd(0, 2, 4);
+        _tile_dpbssd(1, 3, 5);
+      }
+      _tile_stored(0, isum[i & 1][0], 64);
+      _tile_stored(1, isum[i & 1][1], 64);
+    }
+    if (k0 == k_begin) continue;
+    for (int u = 0; u < 2; ++u) {
+      const int64_t k = k0 - step + u * a.E;
+      if (k == next_group) {
+        if (k > k_begin) {
+          ++g;
+          if (k == next_super) {
+            ++sb;
+            next_super += a.S;
+          }
+        }
+        next_group = (g + 1) * a.G;
+        sv = amx_group_values<SF>(a, a.ws, a.ws_sup, blk, g, sb);
+        if (INT4) ov = amx_group_values<SF>(a, a.wo, a.wo_sup, blk, g, sb);
+      }
+      const int64_t ab = k / kABlock;
+      const int32_t* s = isum[(i - 1) & 1][u];
+#pragma GCC unroll 16
+      for (int m = 0; m < 16; ++m) {
+        if (!FULL && m >= rows) continue;
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(s + 16 * m));
+        f[m] = _mm512_fmadd_ps(sum, _mm512_mul_ps(sv, _mm512_set1_ps(xs[m * a.nab + ab])), f[m]);
+        if (INT4) f[m] = _mm512_fmadd_ps(ov, _mm512_set1_ps(xsx[m * a.nab + ab]), f[m]);
+      }
+    }
+  }
+  const int64_t n0 = blk * kBlock;
+  const __mmask16 outputs = static_cast<__mmask16>((1u << std::min<int64_t>(kBlock, a.N - n0)) - 1);
+#pragma GCC unroll 16
+  for (int m = 0; m < 16; ++m) {
+    if ((!FULL && m >= rows) || m < kept) continue;
+    if (k_end == a.K)
+      _mm512_mask_storeu_ps(a.y + (r0 + m) * a.N + n0, outputs, f[m]);
+    else
+      _mm512_storeu_ps(acc + 16 * m, f[m]);
+  }
+}
+#endif  // __AMX_INT8__
 
 #else  // AVX2
 
@@ -366,6 +504,53 @@ void run_all(const Args& a, int64_t M, int sf, int variant) {
   }
 }
 
+#if defined(__AMX_INT8__)
+constexpr int64_t kAmxRows = 16;             // rows per tile pass
+constexpr int64_t kAmxChunkBytes = 32 << 10;  // B operand bytes of a block's inputs kept in L1 across passes
+
+// Blocks in parallel; per block, its inputs in chunks whose B operands (int4: unpacked once) stay in
+// L1 while every 16-row pass reads them. M >= 16: passes of 16 rows, the last one ending at row M
+// (it recomputes rows the pass before it owns and keeps only its own), so one tile configuration
+// serves the whole call.
+template <bool INT4, int SF>
+void run_amx_format(const Args& a, int64_t M) {
+  if (M == 0) return;
+  const int64_t blocks = (a.N + kBlock - 1) / kBlock;
+  const int64_t chunks = (16 * a.K + kAmxChunkBytes - 1) / kAmxChunkBytes;
+  const int64_t chunk = ((a.K + chunks - 1) / chunks + 63) / 64 * 64;  // a multiple of 2 E
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> unpacked(INT4 ? 16 * chunk : 0);
+    std::vector<float> acc(16 * M);  // [M][16]
+    configure_a8(static_cast<int>(std::min(M, kAmxRows)), static_cast<int>(a.E));
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const uint8_t* wp = a.w + blk * a.blk_bytes;
+      for (int64_t kb = 0; kb < a.K; kb += chunk) {
+        const int64_t ke = std::min(a.K, kb + chunk);
+        const uint8_t* b = wp + 16 * kb;  // int8: the layout's vectors are the B rows
+        if (INT4) {
+          unpack_int4(wp, kb, ke, unpacked.data());
+          b = unpacked.data();
+        }
+        if (M < kAmxRows) {
+          tile_amx<INT4, SF, false>(a, blk, 0, static_cast<int>(M), kb, ke, b, acc.data(), 0);
+          continue;
+        }
+        for (int64_t r = 0; r < M; r += kAmxRows) {
+          const int64_t r0 = std::min(r, M - kAmxRows);
+          tile_amx<INT4, SF, true>(a, blk, r0, kAmxRows, kb, ke, b, acc.data() + 16 * r0, static_cast<int>(r - r0));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+template <bool INT4>
+void run_amx(const Args& a, int64_t M, int sf) {
+  sf == kF32 ? run_amx_format<INT4, kF32>(a, M) : sf == kF16 ? run_amx_format<INT4, kF16>(a, M)
+                                                             : run_amx_format<INT4, kTwoLevel>(a, M);
+}
+#endif
 
 int scale_format(const at::Tensor& scales) {
   return scales.scalar_type() == at::kFloat ? kF32 : scales.scalar_type() == at::kHalf ? kF16 : kTwoLevel;
