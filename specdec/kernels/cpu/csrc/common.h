@@ -10,7 +10,7 @@
 //   prefetch_stream(...) a weight tile's rows read as one sequential stream, prefetched ahead
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 #if defined(__AVX512F__) || defined(__AVX2__)
