@@ -37,7 +37,7 @@ def pytest_configure(config):
         env["PYTHONPATH"] = os.pathsep.join([str(Path(specdec.__file__).parents[1]), env.get("PYTHONPATH", "")])
         _prebuild = subprocess.Popen([sys.executable, "-m", "specdec.kernels.cpu.prebuild", "--jobs", "1", "--quiet"],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     env=env)
+                                     env=env, start_new_session=True)  # Ctrl-C reaches it through unconfigure
 
 
 def pytest_unconfigure(config):
