@@ -29,23 +29,23 @@ from specdec.kernels.cpu import amx_cpu, attention_rows, cpu_ops, lora_cpu, moe_
 
 
 def targets() -> list[tuple[str, Callable[[], object]]]:
-    """(label, loader call) for each kernel this CPU runs: every instruction set of ``woq_cpu.cpu_isas``
-    (the best first, the kernels others build on before them), then the other instruction sets."""
+    """(label, loader call) for each kernel this CPU runs: those of the best instruction set of
+    ``woq_cpu.cpu_isas`` first, the ones every float32 model uses (``cpu_ops``) or others load
+    before them earlier, then the same kernels for the other instruction sets."""
     isas, a8_isas = woq_cpu.cpu_isas(), woq_cpu.cpu_isas(a8=True)
-    calls: list[tuple[str, Callable[[], object]]] = []
+    calls: list[tuple[str, Callable[[], object]]] = [("cpu_ops", cpu_ops.extension)]
     for rank, isa in enumerate(isas):
         calls.append((f"woq {isa}", functools.partial(woq_cpu.extension, isa)))
+        calls.append((f"attention_rows {isa}", functools.partial(attention_rows.extension, isa)))
         if isa in a8_isas:
             calls.append((f"woq_a8 {isa}", functools.partial(woq_cpu.extension_a8, isa)))
         if rank == 0:
             if amx_cpu.cpu_has_amx():
                 calls.append(("amx", amx_cpu.extension))
-            calls.append(("cpu_ops", cpu_ops.extension))
             if amx_cpu.cpu_has_amx_int8():  # after woq_a8 and amx, which it loads first
                 calls.append(("woq_a8 amx", amx_cpu.extension_a8))
-        calls.append((f"attention_rows {isa}", functools.partial(attention_rows.extension, isa)))
-        if rank == 0 and lora_cpu.kernel_possible():
-            calls.append(("lora", lora_cpu.extension))
+            if lora_cpu.kernel_possible():
+                calls.append(("lora", lora_cpu.extension))
         if isa in a8_isas:
             calls.append((f"moe {isa}", functools.partial(moe_cpu.extension, isa)))
     return calls

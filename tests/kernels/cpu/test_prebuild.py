@@ -18,12 +18,12 @@ def labels_on(monkeypatch, flags) -> list[str]:
 
 def test_an_amx_cpu_builds_every_kernel_for_both_instruction_sets_dependencies_first(monkeypatch):
     labels = labels_on(monkeypatch, AVX512 + AVX2 + woq_cpu.A8_EXTRA["avx512"][1] + amx_cpu.A8_NEEDS + lora_cpu.NEEDS)
-    assert labels == ["woq avx512", "woq_a8 avx512", "amx", "cpu_ops", "woq_a8 amx", "attention_rows avx512", "lora",
-                      "moe avx512", "woq avx2", "woq_a8 avx2", "attention_rows avx2", "moe avx2"]
+    assert labels == ["cpu_ops", "woq avx512", "attention_rows avx512", "woq_a8 avx512", "amx", "woq_a8 amx", "lora",
+                      "moe avx512", "woq avx2", "attention_rows avx2", "woq_a8 avx2", "moe avx2"]
 
 
 def test_an_avx2_cpu_builds_only_what_it_runs(monkeypatch):
-    assert labels_on(monkeypatch, AVX2) == ["woq avx2", "woq_a8 avx2", "cpu_ops", "attention_rows avx2", "moe avx2"]
+    assert labels_on(monkeypatch, AVX2) == ["cpu_ops", "woq avx2", "attention_rows avx2", "woq_a8 avx2", "moe avx2"]
     # AVX-512 without VNNI: the int8-activation kernels (and the MoE one on them) only in their AVX2 form
     labels = labels_on(monkeypatch, AVX512 + AVX2)
     assert "woq_a8 avx512" not in labels and "moe avx512" not in labels and "woq_a8 avx2" in labels
