@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from specdec.kernels.cpu import amx_cpu
 from specdec.kernels.cpu.woq_cpu import pack_bf16_pairs
 
-needs_amx = pytest.mark.skipif(not amx_cpu.available(), reason="no AMX (amx_tile, amx_bf16) on this CPU")
+needs_amx = pytest.mark.skipif("not amx_cpu.available()", reason="no AMX (amx_tile, amx_bf16) on this CPU")
 
 
 def test_amx_is_detected_from_the_tile_and_bf16_flags():
@@ -78,7 +78,7 @@ def test_amx_int8_is_detected_from_the_tile_int8_and_vnni_flags():
     assert amx_cpu.cpu_has_amx_int8(base | {"amx_int8", "avx512_vnni"})
 
 
-needs_amx_a8 = pytest.mark.skipif(amx_cpu.extension_a8() is None, reason="no AMX int8 on this CPU")
+needs_amx_a8 = pytest.mark.skipif("amx_cpu.extension_a8() is None", reason="no AMX int8 on this CPU")
 
 
 @needs_amx_a8

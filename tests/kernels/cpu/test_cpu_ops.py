@@ -9,7 +9,7 @@ from specdec.kernels.cpu import cpu_ops
 from specdec.layers.norm import RMSNorm
 from specdec.layers.rotary import RotaryEmbedding, rotate, rotate_reference
 
-pytestmark = pytest.mark.skipif(cpu_ops.extension() is None, reason="the fused CPU ops did not build here")
+pytestmark = pytest.mark.skipif("cpu_ops.extension() is None", reason="the fused CPU ops did not build here")
 
 
 @pytest.mark.parametrize("rows,n", [(1, 64), (7, 576), (33, 1536)])

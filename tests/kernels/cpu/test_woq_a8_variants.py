@@ -9,7 +9,7 @@ from specdec.kernels.cpu import cpp_build, woq_a8_variants, woq_cpu
 from specdec.kernels.cpu.woq_format import reference_linear_a8
 from tests.kernels.cpu.test_woq_cpu import A8_FORMATS, COMPACT_KINDS, a8_case, a8_error_bound, compact_scales_case
 
-needs_a8_kernel = pytest.mark.skipif(woq_cpu.extension_a8() is None, reason="no int8-activation kernel here")
+needs_a8_kernel = pytest.mark.skipif("woq_cpu.extension_a8() is None", reason="no int8-activation kernel here")
 
 
 def other_variants(int4: bool) -> dict:

@@ -24,7 +24,7 @@ from specdec.kernels.cpu.woq_format import (
     supports_a8,
 )
 
-needs_kernel = pytest.mark.skipif(not woq_cpu.available(), reason="no AVX-512 or AVX2 kernel on this machine")
+needs_kernel = pytest.mark.skipif("not woq_cpu.available()", reason="no AVX-512 or AVX2 kernel on this machine")
 pytestmark = pytest.mark.usefixtures("kernel_isa")
 
 FORMATS = {
@@ -133,7 +133,7 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
 
 # ---- int8 activations (w8a8 / w4a8): csrc/woq_a8.cpp against woq_format.reference_linear_a8 ----
 
-needs_a8_kernel = pytest.mark.skipif(woq_cpu.extension_a8() is None, reason="no AVX-512 VNNI or AVX2 kernel here")
+needs_a8_kernel = pytest.mark.skipif("woq_cpu.extension_a8() is None", reason="no AVX-512 VNNI or AVX2 kernel here")
 
 A8_FORMATS = {
     "w8a8-channel": lambda w: quantize_int8(w),

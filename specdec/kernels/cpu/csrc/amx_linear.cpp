@@ -19,8 +19,11 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include "common.h"
 

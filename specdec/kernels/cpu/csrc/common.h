@@ -11,7 +11,7 @@
 //   TileConfig          an AMX tile configuration (palette 1), filled by set() and loaded by load()
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 #if defined(__AVX512F__) || defined(__AVX2__)

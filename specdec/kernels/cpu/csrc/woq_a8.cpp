@@ -45,8 +45,10 @@
 // a8_linear_bf16 run other instruction sequences for the same sums and scaling, equal to a8_linear
 // bit for bit; which runs at a row count is measured at load time.
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include "common.h"
 
