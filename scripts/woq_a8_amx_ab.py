@@ -39,14 +39,17 @@ SHAPES = ((1536, 1536, True), (256, 1536, True), (256, 1536, None), (1536, 1536,
 
 
 def build_revision(rev: str):
-    """``rev``'s a8_linear_amx, built from its own woq_a8.cpp and common.h under another namespace."""
+    """``rev``'s a8_linear_amx, built from its own kernel sources (every file of its csrc folder, so the
+    headers woq_a8.cpp includes come from the same commit) under another namespace."""
     sha = subprocess.run(["git", "rev-parse", rev], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
     src = Path(tempfile.gettempdir()) / f"woq_a8_amx_rev_{sha[:12]}"  # one folder per commit: built once
     src.mkdir(exist_ok=True)
-    for path in (f"{CSRC}/woq_a8.cpp", f"{CSRC}/common.h"):
-        text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{sha}:{CSRC}"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in names:
+        text = subprocess.run(["git", "show", f"{sha}:{CSRC}/{name}"], cwd=ROOT, check=True, capture_output=True,
                               text=True).stdout
-        (src / Path(path).name).write_text(text)
+        (src / name).write_text(text)
     ns = "specdec_woq_a8_amx_rev"
     ops = cpp_build.load_ops(ns, "woq_a8.cpp", ns, ["-O3", *amx_cpu.A8_FLAGS, f"-DSPECDEC_LIB={ns}"],
                              needs=amx_cpu.A8_NEEDS, what=f"{rev}'s AMX kernel", fallback="nothing to compare",

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,33 @@ import torch
 # interpreted, so set it before anything can import triton (on a GPU the kernels compile).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The suite uses a dozen C++ CPU kernels, each compiled on first use (15-60 s on a fresh machine):
+# one process builds them all in the background from the start (specdec.kernels.cpu.prebuild),
+# next to the tests, which wait for a kernel only while its build is under way. So that collecting
+# builds nothing, a skip that depends on a kernel is a string condition (pytest evaluates it when
+# the test is set up). SPECDEC_TEST_PREBUILD=0 leaves every build to first use.
+_prebuild: subprocess.Popen | None = None
+
+
+def pytest_configure(config):
+    global _prebuild
+    if os.environ.get("SPECDEC_TEST_PREBUILD", "1") != "0" and _prebuild is None:
+        import specdec
+
+        env = dict(os.environ)  # the builder imports the specdec these tests import
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(specdec.__file__).parents[1]), env.get("PYTHONPATH", "")])
+        _prebuild = subprocess.Popen([sys.executable, "-m", "specdec.kernels.cpu.prebuild", "--jobs", "1", "--quiet"],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env=env, start_new_session=True)  # Ctrl-C reaches it through unconfigure
+
+
+def pytest_unconfigure(config):
+    # SIGTERM: the builder starts no further build and exits once the one under way is done (a
+    # compiler killed mid-build would leave its folder's lock behind for the next run to wait on)
+    if _prebuild is not None and _prebuild.poll() is None:
+        _prebuild.terminate()
+
 
 # Tiny models gain nothing from intra-op threads, and on shared, busy cores the thread pool's
 # spin-waits make every op 10x slower: one thread keeps the suite fast.

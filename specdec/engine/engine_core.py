@@ -17,6 +17,7 @@ from specdec.engine.request import Request, RequestStatus
 from specdec.engine.request_groups import RequestGroup, RequestGroups
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.step_record import StepRecord
+from specdec.engine.step_timings import StepTimings
 from specdec.executor.uniproc_executor import UniprocExecutor
 from specdec.lora.registry import LoRARegistry
 from specdec.lora.request import LoRARequest
@@ -77,7 +78,9 @@ class EngineCore:
                                                self.spec_controller.max_k + 1))
         self.spec_metrics = SpecDecodeMetrics(method=spec.method if spec else "none")
         self.groups = RequestGroups(self.output)
-        self.step_observers: list[Callable[[StepRecord], None]] = [self.spec_metrics.observe_step]
+        self.step_timings = StepTimings()
+        self.step_observers: list[Callable[[StepRecord], None]] = [self.spec_metrics.observe_step,
+                                                                    self.step_timings.observe]
         if self.spec_controller is not None:
             self.step_observers.append(self.spec_controller.observe)
         # True while a caller runs a fixed set of requests to the end (LLM.generate): nothing will
@@ -225,5 +228,6 @@ class EngineCore:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting), num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv.pool.num_cache_queries, prefix_cache_hits=self.kv.pool.num_cache_hits,
+            step_timings=self.step_timings.as_dict(),
         )
         return out

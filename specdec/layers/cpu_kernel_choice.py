@@ -16,7 +16,6 @@ Measured here, once per process:
 from __future__ import annotations
 
 import functools
-import statistics
 import time
 from typing import Callable
 
@@ -46,8 +45,9 @@ def time_row_kernels(calls: dict[str, Callable[[int, torch.Tensor], object]], k:
                      copies: int = 4, dtype: torch.dtype = torch.bfloat16) -> dict[str, dict[int, float]]:
     """Seconds per call of each ``calls[name](copy index, x)`` at each row count: the kernels alternate
     over ``passes`` passes of ``calls_per_pass`` calls that walk ``copies`` weights (so no weight stays in
-    cache), each call timed alone, the median call kept (on a shared machine a call a neighbour's
-    process preempted is an outlier, not the kernel's cost)."""
+    cache), each call timed alone, the fastest call kept: another process can only add time to a call
+    (a call preempted for a time slice reads several times its cost), so on a shared machine the median
+    of a few calls can still hold a time slice while the fastest is the kernel's own cost."""
     xs = {m: torch.randn(m, k).to(dtype) for m in rows}
     samples = {name: {m: [] for m in rows} for name in calls}
     names = list(calls)
@@ -65,7 +65,7 @@ def time_row_kernels(calls: dict[str, Callable[[int, torch.Tensor], object]], k:
                     call(turn % copies, xs[m])
                     samples[name][m].append(time.perf_counter() - start)
                     turn += 1
-    return {name: {m: statistics.median(t) for m, t in per_rows.items()} for name, per_rows in samples.items()}
+    return {name: {m: min(t) for m, t in per_rows.items()} for name, per_rows in samples.items()}
 
 
 @functools.lru_cache(maxsize=1)

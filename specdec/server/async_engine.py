@@ -128,8 +128,8 @@ class AsyncEngine:
                 busy = not idle
                 if not self._apply_commands(block=idle):
                     break
-                if self.engine.has_unfinished_requests():
-                    self._step()
+                if self.engine.has_unfinished_requests() and self._step():
+                    continue  # the step published the snapshot before its outputs left
                 self._publish_snapshot()
         except BaseException as e:  # a bug: fail every request loudly rather than hang them
             logger.exception("engine thread died")
@@ -199,7 +199,8 @@ class AsyncEngine:
             if self.metrics:
                 self.metrics.request_finished("abort")
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step; True if it completed (its outputs delivered, the snapshot published)."""
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - find the offender, fail it alone, keep serving
@@ -209,17 +210,18 @@ class AsyncEngine:
             found, controlled = self._isolation.isolate(suspects)
             if found and controlled:
                 self._num_unattributed = 0
-                return
+                return False
             self._num_unattributed += 1  # no good step to compare with: maybe the engine itself
             if self._num_unattributed >= MAX_UNATTRIBUTED_FAILURES:
                 raise RuntimeError(f"{self._num_unattributed} engine steps in a row failed and could not be "
                                    f"pinned on a request; the last: {e!r}") from e
             if not found:
                 self._fail_all(RuntimeError(f"engine step failed: {e!r}"), abort=True, reason="failed")
-            return
+            return False
         self._fresh = []
         self._num_unattributed = 0
         self._handle_outputs(outputs)
+        return True
 
     def _fail_offender(self, request_id: str, error: BaseException) -> None:
         """Fail the HTTP request that ``request_id`` belongs to (all its prompts), and only it."""
@@ -243,6 +245,8 @@ class AsyncEngine:
             batch.append((live.sink, out))
             if out.finished:
                 del self._live[out.request_id]
+        # before the outputs leave: a client that reads /metrics once its answer arrives sees this step
+        self._publish_snapshot()
         self._deliver(batch)
 
     def _observe(self, live: _Live, out: RequestOutput, now: float) -> None:

@@ -55,6 +55,7 @@ class _EngineCollector:
         yield self._family(g, "kv_cache_free_blocks", "Free KV-cache blocks.", s.get("num_free_kv_blocks", 0))
         yield self._family(g, "kv_cache_total_blocks", "All KV-cache blocks.", s.get("num_kv_blocks", 0))
         yield from self._kv_groups(s.get("kv_cache_groups", {}))
+        yield from self._step_timings(s.get("step_timings", {}))
         yield self._family(g, "num_requests_running", "Sequences in the running batch.", s.get("num_running", 0))
         yield self._family(g, "num_requests_waiting", "Sequences waiting for a batch slot.", s.get("num_waiting", 0))
         yield self._family(g, "num_requests_in_flight", "Prompts submitted to the engine and not yet finished.",
@@ -77,6 +78,22 @@ class _EngineCollector:
             for group, stats in groups.items():
                 fam.add_metric([*self.labels.values(), group], stats[key])
             yield fam
+
+    def _step_timings(self, phases: dict):
+        """Engine steps and their seconds by phase and part (``engine/step_timings.py``)."""
+        steps = CounterMetricFamily(PREFIX + "engine_steps", "Engine steps, by phase (prefill: the step "
+                                    "computes prompt tokens).", labels=[*self.labels, "phase"])
+        rows = CounterMetricFamily(PREFIX + "engine_step_tokens", "Target rows the engine steps scheduled, "
+                                   "by phase.", labels=[*self.labels, "phase"])
+        seconds = CounterMetricFamily(PREFIX + "engine_step_seconds", "Engine step time, by phase and part "
+                                      "(target forward, draft proposal, sampling and verification, other).",
+                                      labels=[*self.labels, "phase", "part"])
+        for phase, t in phases.items():
+            steps.add_metric([*self.labels.values(), phase], t["num_steps"])
+            rows.add_metric([*self.labels.values(), phase], t["num_tokens"])
+            for part, value in t["seconds"].items():
+                seconds.add_metric([*self.labels.values(), phase, part], value)
+        yield from (steps, rows, seconds)
 
 
 class ServerMetrics:

@@ -9,7 +9,7 @@ from specdec.kernels.cpu import woq_cpu
 from specdec.layers.quantization import Bf16WeightLinear
 from specdec.worker.device import cpu_supports_bf16
 
-pytestmark = pytest.mark.skipif(cpu_supports_bf16() or not woq_cpu.available(),
+pytestmark = pytest.mark.skipif("cpu_supports_bf16() or not woq_cpu.available()",
                                 reason="'auto' is bfloat16 on this CPU, or no AVX-512 kernel")
 ENGINE = dict(device="cpu", max_model_len=96, spec_cost_calibration=False)
 

@@ -11,7 +11,7 @@ from specdec.kernels.cpu import woq_cpu
 from specdec.layers import quantization
 from specdec.layers.quantization import Bf16WeightLinear
 
-pytestmark = pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
+pytestmark = pytest.mark.skipif("not woq_cpu.available()", reason="no CPU weight kernel here")
 ENGINE = dict(device="cpu", max_model_len=96, spec_cost_calibration=False)
 
 

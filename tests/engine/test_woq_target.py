@@ -42,7 +42,7 @@ def test_quantized_target_with_token_trees_equals_it_without(llama_path, noisy_d
     assert greedy_tokens(llm, chosen) == greedy_tokens(llm, chosen, use_speculation=False)
 
 
-@pytest.mark.skipif(not woq_cpu.available(), reason="no AVX-512 kernel on this machine")
+@pytest.mark.skipif("not woq_cpu.available()", reason="no AVX-512 kernel on this machine")
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_kernel_decodes_the_tokens_of_the_pure_torch_reference(llama_path, prompts, quantization, monkeypatch):
     chosen = prompts[:4]

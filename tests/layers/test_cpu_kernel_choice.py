@@ -28,7 +28,7 @@ def test_bf16_amx_is_never_chosen_where_the_amx_kernel_cannot_run(monkeypatch):
         cpu_kernel_choice.bf16_amx_faster.cache_clear()
 
 
-@pytest.mark.skipif(not (amx_cpu.available() and woq_cpu.bf16_pairs_available()), reason="no AMX here")
+@pytest.mark.skipif("not (amx_cpu.available() and woq_cpu.bf16_pairs_available())", reason="no AMX here")
 def test_bf16_amx_choice_is_measured_from_both_kernels_timings():
     times = cpu_kernel_choice.bf16_amx_times()
     assert set(times) == {"avx512_bf16", "amx"}
@@ -50,7 +50,7 @@ def test_min_rows_faster_is_a_threshold_above_which_the_fast_kernel_always_wins(
     assert pick(t, "amx", "vnni") is None
 
 
-@pytest.mark.skipif(woq_cpu.extension_a8() is None or not woq_cpu.bf16_pairs_available(),
+@pytest.mark.skipif("woq_cpu.extension_a8() is None or not woq_cpu.bf16_pairs_available()",
                     reason="needs the int8-activation kernel and avx512_bf16")
 def test_the_report_names_the_kernel_each_format_runs_from_the_measured_choices(monkeypatch):
     from specdec.layers import quantization
@@ -132,7 +132,7 @@ def test_amx_takes_the_row_counts_from_its_threshold_and_the_variable_forces_one
     assert set(cpu_kernel_choice.a8_variant_plan(False).values()) == {"vnni512"}
 
 
-@pytest.mark.skipif(woq_cpu.extension_a8() is None, reason="no int8-activation kernel here")
+@pytest.mark.skipif("woq_cpu.extension_a8() is None", reason="no int8-activation kernel here")
 @pytest.mark.parametrize("int4", [True, False])
 def test_a_layer_mixing_variants_by_row_count_gives_each_row_its_one_row_value(monkeypatch, int4):
     import torch

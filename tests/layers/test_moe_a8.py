@@ -11,7 +11,7 @@ from specdec.kernels.cpu import moe_cpu
 from specdec.layers.moe import SparseMoE, experts_read, moe_layers
 from specdec.layers.moe_a8 import A8FusedMoE
 
-pytestmark = pytest.mark.skipif(moe_cpu.extension() is None, reason="no CPU MoE kernel on this machine")
+pytestmark = pytest.mark.skipif("moe_cpu.extension() is None", reason="no CPU MoE kernel on this machine")
 
 SHAPE = dict(arch="qwen3_moe", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
              intermediate_size=512, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,

@@ -77,7 +77,7 @@ def test_packed_linear_equals_f_linear(rows):
                                rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
+@pytest.mark.skipif("not woq_cpu.available()", reason="no CPU weight kernel here")
 @pytest.mark.parametrize("rows", [1, 6, 200])
 def test_bf16_weight_linear_on_a_bf16_model_equals_f_linear(rows):
     torch.manual_seed(0)
@@ -88,7 +88,7 @@ def test_bf16_weight_linear_on_a_bf16_model_equals_f_linear(rows):
     torch.testing.assert_close(out.float(), F.linear(x, lin.weight, lin.bias).float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
+@pytest.mark.skipif("not woq_cpu.available()", reason="no CPU weight kernel here")
 @pytest.mark.parametrize("pairs_cpu, amx", [(True, False), (True, True), (False, False)])
 def test_bf16_weight_linear_from_a_bf16_linear_takes_the_pair_kernel_only_where_the_cpu_has_bf16_dot_products(
         monkeypatch, pairs_cpu, amx):
@@ -115,7 +115,7 @@ def test_bf16_weight_linear_from_a_bf16_linear_takes_the_pair_kernel_only_where_
             torch.testing.assert_close(out, F.linear(x, lin.weight.float(), layer.bias), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
+@pytest.mark.skipif("not woq_cpu.available()", reason="no CPU weight kernel here")
 def test_bf16_weight_linear_from_a_float32_linear_keeps_float32_products_for_every_row_count():
     torch.manual_seed(0)
     lin = nn.Linear(128, 96, bias=True).to(torch.bfloat16).float()
@@ -126,7 +126,7 @@ def test_bf16_weight_linear_from_a_float32_linear_keeps_float32_products_for_eve
     torch.testing.assert_close(layer(prefill), F.linear(prefill, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
+@pytest.mark.skipif("not woq_cpu.available()", reason="no CPU weight kernel here")
 def test_a_bf16_model_given_bf16_weights_keeps_them_and_widens_the_rest_to_float32():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(40, 8)).to(torch.bfloat16)
@@ -201,7 +201,7 @@ def _tiny_mlp(bf16_values: bool) -> nn.Module:
     return model
 
 
-@pytest.mark.skipif(not woq_cpu.available(), reason="no AVX-512 kernel on this machine")
+@pytest.mark.skipif("not woq_cpu.available()", reason="no AVX-512 kernel on this machine")
 def test_bf16_weights_exact_keeps_only_linears_bf16_holds_and_computes_the_same():
     model = _tiny_mlp(bf16_values=True)
     model[2].weight.data[0, 0] = 1.0 + 2.0 ** -20  # not a bf16 value: this layer stays float32
@@ -220,7 +220,7 @@ def test_bf16_weights_exact_keeps_only_linears_bf16_holds_and_computes_the_same(
     assert all(type(lin) is nn.Linear for lin in untouched)
 
 
-@pytest.mark.skipif(not woq_cpu.available(), reason="no CPU weight kernel here")
+@pytest.mark.skipif("not woq_cpu.available()", reason="no CPU weight kernel here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_copied_bf16_weight_linear_multiplies_by_its_own_weight(dtype):
     import copy

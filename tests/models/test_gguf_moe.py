@@ -18,9 +18,11 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from specdec import LLM, SamplingParams  # noqa: E402
+from moe_decode_util import greedy, greedy_counting_experts, model_of, transformers_greedy  # noqa: E402
+
+from specdec import LLM  # noqa: E402
 from specdec.bench.peers.llama_cpp import find_bin_dir, peers_dir, source_dir  # noqa: E402
-from specdec.layers.moe import SparseMoE, moe_layers  # noqa: E402
+from specdec.layers.moe import SparseMoE  # noqa: E402
 from specdec.layers.quantization import WeightOnlyLinear  # noqa: E402
 from specdec.models import gguf_convert  # noqa: E402
 from specdec.models.hub import cache_dir  # noqa: E402
@@ -78,10 +80,6 @@ def converted(request, moe_checkpoint, tmp_path_factory):
     return path, str(kept), str(plain)
 
 
-def model_of(llm: LLM):
-    return llm.engine.executor.driver_worker.runner.model
-
-
 def test_experts_stay_quantized_with_the_files_exact_values(converted):
     path, kept, _ = converted
     model = model_of(LLM(model=kept, **ENGINE))
@@ -109,12 +107,6 @@ def test_experts_stay_quantized_with_the_files_exact_values(converted):
         assert not [name for name in f.keys() if ".experts." in name]
 
 
-def greedy(llm: LLM, prompts, **kwargs) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, **kwargs)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                          use_tqdm=False)]
-
-
 PROMPTS = [[5, 17, 99, 200, 3, 42, 7], [1000, 2000, 3000], list(range(40, 70))]
 
 
@@ -123,17 +115,10 @@ def test_decodes_the_tokens_of_transformers_on_the_dequantized_weights(converted
 
     _, kept, plain = converted
     llm = LLM(model=kept, **ENGINE)
-    layers = moe_layers(model_of(llm))
-    for layer in layers:
-        layer.stats.reset()
-    ours = greedy(llm, PROMPTS)
-    assert max(m.stats.num_experts_read / m.stats.num_calls for m in layers) > TOP_K  # rows route apart
+    ours, experts_read = greedy_counting_experts(llm, PROMPTS)
+    assert experts_read > TOP_K  # rows route apart
     reference = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = [reference.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                       do_sample=False, max_new_tokens=12, min_new_tokens=12, eos_token_id=None,
-                                       pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
-    assert ours == expected
+    assert ours == transformers_greedy(reference, PROMPTS)
 
 
 def test_speculation_over_a_moe_gguf_is_lossless(converted):

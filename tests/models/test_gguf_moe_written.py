@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 import torch
 from gguf_writer_util import EXPERT_TYPES, quantize_q4_k, write_qwen3moe_gguf
+from moe_decode_util import greedy, greedy_counting_experts, model_of, transformers_greedy
 
-from specdec import LLM, SamplingParams
-from specdec.layers.moe import SparseMoE, moe_layers
+from specdec import LLM
+from specdec.layers.moe import SparseMoE
 from specdec.layers.quantization import WeightOnlyLinear
 from specdec.models import gguf_convert
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=96, spec_cost_calibration=False)
-NUM_EXPERTS, TOP_K, NUM_NEW = 16, 4, 12
+NUM_EXPERTS, TOP_K = 16, 4
 PROMPTS = [[5, 17, 99, 200, 3, 42, 7], [100, 200, 300], list(range(40, 70))]
 
 
@@ -45,16 +46,6 @@ def written(request, hf_moe, tmp_path_factory):
     values = write_qwen3moe_gguf(model, tokenizer, path, request.param)
     kept = gguf_convert.convert_gguf(path, folder / "kept", progress=False, dtype=torch.float32)
     return path, str(kept), values
-
-
-def model_of(llm: LLM):
-    return llm.engine.executor.driver_worker.runner.model
-
-
-def greedy(llm: LLM, prompts, **kwargs) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, **kwargs)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                          use_tqdm=False)]
 
 
 def test_q4_k_blocks_dequantize_near_their_source():
@@ -97,18 +88,11 @@ def test_decodes_the_tokens_of_transformers_on_the_files_values(written, hf_moe)
 
     _, kept, values = written
     llm = LLM(model=kept, **ENGINE)
-    layers = moe_layers(model_of(llm))
-    for layer in layers:
-        layer.stats.reset()
-    ours = greedy(llm, PROMPTS)
-    assert max(m.stats.num_experts_read / m.stats.num_calls for m in layers) > TOP_K  # rows route apart
+    ours, experts_read = greedy_counting_experts(llm, PROMPTS)
+    assert experts_read > TOP_K  # rows route apart
     reference = Qwen3MoeForCausalLM(hf_moe[0].config).eval()
     reference.load_state_dict(values, strict=True)
-    with torch.no_grad():
-        expected = [reference.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                       do_sample=False, max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
-                                       eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
-    assert ours == expected
+    assert ours == transformers_greedy(reference, PROMPTS)
 
 
 def test_speculation_over_the_written_file_is_lossless(written):

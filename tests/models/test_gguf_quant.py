@@ -76,7 +76,7 @@ def greedy(llm, prompts, **kwargs):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.skipif(not woq_cpu.available(), reason="no AVX-512 kernel on this machine")
+@pytest.mark.skipif("not woq_cpu.available()", reason="no AVX-512 kernel on this machine")
 def test_kernel_decodes_the_tokens_of_the_reference(converted, monkeypatch):
     _, folder, _, _ = converted
     prompts = ["hello world", "the world", "fellow the"]

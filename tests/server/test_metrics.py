@@ -25,3 +25,16 @@ def test_kv_gauges_report_every_group():
         assert got[("specdec:kv_cache_group_usage_perc", labels)] == usage
     # an engine that reports no groups (or an empty snapshot before the first step) emits none
     assert not any(name.startswith("specdec:kv_cache_group_") for name, _ in samples(ServerMetrics("m", dict)))
+
+
+def test_engine_step_timings_by_phase_and_part():
+    seconds = {"target": 0.5, "draft": 0.25, "sampling": 0.125, "other": 0.0625}
+    snapshot = {"step_timings": {"prefill": {"num_steps": 2, "num_tokens": 300, "seconds": seconds},
+                                 "decode": {"num_steps": 40, "num_tokens": 280, "seconds": {**seconds, "target": 3.0}}}}
+    got = samples(ServerMetrics("m", lambda: snapshot))
+    assert got[("specdec:engine_steps_total", (("phase", "prefill"),))] == 2
+    assert got[("specdec:engine_steps_total", (("phase", "decode"),))] == 40
+    assert got[("specdec:engine_step_tokens_total", (("phase", "prefill"),))] == 300
+    assert got[("specdec:engine_step_seconds_total", (("part", "draft"), ("phase", "prefill")))] == 0.25
+    assert got[("specdec:engine_step_seconds_total", (("part", "target"), ("phase", "decode")))] == 3.0
+    assert not any(name.startswith("specdec:engine_step") for name, _ in samples(ServerMetrics("m", dict)))

@@ -73,3 +73,25 @@ def test_constrained_greedy_text_equals_plain_server(server, spec_server):
     assert re.fullmatch(regex, httpx.post(spec_server.url + "/v1/completions", json={
         "model": "tiny", "prompt": PROMPT, "max_tokens": 120, "temperature": 0, "guided_regex": regex},
         headers=spec_server.headers, timeout=60).json()["choices"][0]["text"])
+
+
+def test_one_request_s_time_split_from_metrics(spec_server):
+    """serve-peers reads a request's prefill / decode split from /metrics around it (one at a time)."""
+    from specdec.bench.serve_timings import scrape, specdec_timings
+
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=60, headers=spec_server.headers) as client:
+        before = scrape(client, spec_server.url)
+        out = client.post(spec_server.url + "/v1/completions", json=body).json()
+        after = scrape(client, spec_server.url)
+    usage = out["usage"]
+    t = specdec_timings(before, after, usage["prompt_tokens"], usage["completion_tokens"], client_s=60.0)
+    assert t["prompt_n"] + t["cache_n"] == usage["prompt_tokens"] and t["prompt_n"] >= 1
+    assert t["steps"]["prefill"]["steps"] == 1  # the whole prompt in one step, its first token with it
+    # every later token came from a decode step, several per step where drafts were accepted
+    decode = t["steps"]["decode"]
+    assert decode["steps"] + t["num_accepted_tokens"] == usage["completion_tokens"] - 1
+    assert t["num_drafts"] == usage["spec_decode"]["num_drafts"] <= decode["steps"]
+    assert decode["tokens"] == decode["steps"] + usage["spec_decode"]["num_draft_tokens"]
+    assert 0 < t["prompt_ms"] and 0 < t["predicted_ms"] and t["prompt_ms"] + t["predicted_ms"] <= t["server_ms"]
+    assert t["engine_other_ms"] >= 0

@@ -4,17 +4,23 @@
 ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/specdec/torch_extensions`` (each in its own folder); nothing
 is built at install time. Where a kernel cannot run (a CPU flag missing, no compiler, a failed
 build, its disabling environment variable set) ``load_ops`` returns None after one warning saying
-why and what runs instead.
+why and what runs instead. Processes that build or load the same kernel at once take turns
+(``build_lock``), and a build killed mid-compile does not hold up the next one.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-import time
 import warnings
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 CSRC = Path(__file__).parent / "csrc"
 
@@ -37,27 +43,32 @@ def build_dir(name: str) -> str:
     return path
 
 
-# torch's build lock is a bare file that a build interrupted mid-compile leaves behind, and every
-# later build waits on it forever; no build of these sources takes this long
-STALE_LOCK_SECONDS = 900
+# torch's build baton (``lock`` in the build folder) is a bare file that a build killed mid-compile leaves
+# behind, and every later build of that folder waits on it forever. Each specdec build holds an flock on
+# a file of its own there around torch's build; the kernel drops an flock when its holder dies, so a
+# baton found while holding ours belongs to no live build and is removed.
+BATON = "lock"
+BUILD_LOCK = "specdec_build.flock"
 
 
-def clear_stale_lock(path: str, now: float | None = None) -> bool:
-    """Remove ``path``/lock when it is older than ``STALE_LOCK_SECONDS``; True if it was removed."""
-    lock = os.path.join(path, "lock")
-    try:
-        age = (time.time() if now is None else now) - os.path.getmtime(lock)
-    except OSError:
-        return False
-    if age < STALE_LOCK_SECONDS:
-        return False
-    warnings.warn(f"specdec: removing a build lock left {age / 60:.0f} minutes ago by an interrupted build: {lock}",
-                  stacklevel=3)
-    try:
-        os.remove(lock)
-    except OSError:
-        return False
-    return True
+@contextlib.contextmanager
+def build_lock(directory: str):
+    """Hold ``directory``/``BUILD_LOCK`` exclusively (waiting for another process's build or load of
+    the same extension to finish), with any baton a killed build left there removed."""
+    if fcntl is None:  # no flock (Windows): torch's baton alone
+        yield
+        return
+    with open(os.path.join(directory, BUILD_LOCK), "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            baton = os.path.join(directory, BATON)
+            if os.path.exists(baton):
+                warnings.warn(f"specdec: removing a build lock left by an interrupted build: {baton}", stacklevel=3)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(baton)
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def disabled(env: str) -> bool:
@@ -83,9 +94,9 @@ def load_ops(name: str, source: str, namespace: str, flags: list[str], *, needs:
         # -fopenmp: at::parallel_for is inline OpenMP in the headers, serial without it; the
         # extension then uses the libgomp torch already loaded (same soname), so one thread pool
         directory = build_dir(name)
-        clear_stale_lock(directory)
-        load(name=name, sources=[str((csrc or CSRC) / source)], extra_cflags=[*flags, "-fopenmp"],
-             extra_ldflags=["-fopenmp"], build_directory=directory, is_python_module=False, verbose=False)
+        with build_lock(directory):
+            load(name=name, sources=[str((csrc or CSRC) / source)], extra_cflags=[*flags, "-fopenmp"],
+                 extra_ldflags=["-fopenmp"], build_directory=directory, is_python_module=False, verbose=False)
         return getattr(torch.ops, namespace)
     except Exception as e:  # no compiler, no headers, a failed build: the torch path still runs
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""

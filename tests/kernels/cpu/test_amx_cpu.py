@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from specdec.kernels.cpu import amx_cpu
 from specdec.kernels.cpu.woq_cpu import pack_bf16_pairs
 
-needs_amx = pytest.mark.skipif(not amx_cpu.available(), reason="no AMX (amx_tile, amx_bf16) on this CPU")
+needs_amx = pytest.mark.skipif("not amx_cpu.available()", reason="no AMX (amx_tile, amx_bf16) on this CPU")
 
 
 def test_amx_is_detected_from_the_tile_and_bf16_flags():
@@ -78,7 +78,7 @@ def test_amx_int8_is_detected_from_the_tile_int8_and_vnni_flags():
     assert amx_cpu.cpu_has_amx_int8(base | {"amx_int8", "avx512_vnni"})
 
 
-needs_amx_a8 = pytest.mark.skipif(amx_cpu.extension_a8() is None, reason="no AMX int8 on this CPU")
+needs_amx_a8 = pytest.mark.skipif("amx_cpu.extension_a8() is None", reason="no AMX int8 on this CPU")
 
 
 @needs_amx_a8
@@ -148,6 +148,39 @@ def test_amx_int8_path_on_two_threads_equals_the_vnni_kernel_bitwise(rows):
         assert torch.equal(ops.a8_linear_amx(x, *args, None), ops.a8_linear(x, *args, None))
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_amx_a8
+@pytest.mark.parametrize("fmt, k", [("int4-g32-two-level", 768), ("int4-g32", 320), ("int4-g128", 384),
+                                    ("int8-g16", 320), ("int8-channel", 320)])
+def test_amx_int8_path_equals_the_vnni_kernel_bitwise_at_every_row_count_to_130(fmt, k):
+    """M = 1 .. 130: one partial tile pass, then 16-row passes ending in one that overlaps the pass
+    before it; K = 320 gives an odd number of unit pairs (the tile products alternate between two
+    pairs of C tiles), int8 groups of 16 run units of 16 inputs, N = 40 ends in a partial block. The
+    VNNI kernel's row i does not depend on the call's other rows, so one 130-row call is the oracle."""
+    from specdec.kernels.cpu import woq_cpu
+    from specdec.kernels.cpu.woq_format import quantize_int4, quantize_int8
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, k, generator=g) * 0.05
+    if fmt == "int4-g32-two-level":
+        q = quantize_int4(w, 32)
+        for name in ("scales", "offsets"):
+            v = getattr(q, name).reshape(40, -1, 8)
+            factor = v.abs().amax(-1, keepdim=True) / 63
+            setattr(q, name, ((v / factor).round() * factor).reshape(40, -1))
+    else:
+        q = {"int4-g32": lambda: quantize_int4(w, 32), "int4-g128": lambda: quantize_int4(w, 128),
+             "int8-g16": lambda: quantize_int8(w, 16), "int8-channel": lambda: quantize_int8(w)}[fmt]()
+    weight = woq_cpu.A8Weight.prepare(q)
+    if fmt == "int4-g32-two-level":
+        assert weight.kernel_scales[0].dtype == torch.int8  # the two-level form, not a float fallback
+    args = woq_cpu.a8_kernel_args(weight)
+    x = torch.randn(130, k, generator=g) * 2
+    ops = amx_cpu.extension_a8()
+    vnni = ops.a8_linear(x, *args, None)
+    for m in range(1, 131):
+        assert torch.equal(ops.a8_linear_amx(x[:m], *args, None), vnni[:m]), f"M={m}"
 
 
 @needs_amx_a8

@@ -6,7 +6,7 @@ import torch
 from specdec.layers import attention_rows
 from specdec.layers.attention import AttentionMetadata, paged_attention_reference
 
-needs_kernel = pytest.mark.skipif(attention_rows.extension() is None, reason="no AVX-512 or AVX2 kernel here")
+needs_kernel = pytest.mark.skipif("attention_rows.extension() is None", reason="no AVX-512 or AVX2 kernel here")
 pytestmark = pytest.mark.usefixtures("kernel_isa")
 
 

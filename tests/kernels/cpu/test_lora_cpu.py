@@ -11,7 +11,7 @@ import torch
 
 from specdec.kernels.cpu import lora_cpu
 
-needs_kernel = pytest.mark.skipif(not lora_cpu.available(), reason="no avx512_bf16 LoRA kernel on this CPU")
+needs_kernel = pytest.mark.skipif("not lora_cpu.available()", reason="no avx512_bf16 LoRA kernel on this CPU")
 
 PARTS = [32, 16, 48]
 

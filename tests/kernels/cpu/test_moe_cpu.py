@@ -27,7 +27,7 @@ from specdec.layers.moe import (
 from specdec.layers.moe_a8 import A8FusedMoE, fuse_a8_experts
 from specdec.layers.quantization import WeightOnlyLinear, prepare_for_inference
 
-needs_kernel = pytest.mark.skipif(woq_cpu.extension_a8() is None or moe_cpu.extension() is None,
+needs_kernel = pytest.mark.skipif("woq_cpu.extension_a8() is None or moe_cpu.extension() is None",
                                   reason="no int8-activation kernel on this machine")
 pytestmark = [pytest.mark.usefixtures("kernel_isa"), needs_kernel]
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from specdec.kernels.cpu import cpp_build, woq_a8_variants, woq_cpu
-from specdec.kernels.cpu.woq_format import Int4Weight, Int8Weight, quantize_int4, quantize_int8, reference_linear_a8
-from tests.kernels.cpu.test_woq_cpu import A8_FORMATS, a8_case, a8_error_bound, k_quant_scales
+from specdec.kernels.cpu.woq_format import reference_linear_a8
+from tests.kernels.cpu.test_woq_cpu import A8_FORMATS, COMPACT_KINDS, a8_case, a8_error_bound, compact_scales_case
 
-needs_a8_kernel = pytest.mark.skipif(woq_cpu.extension_a8() is None, reason="no int8-activation kernel here")
+needs_a8_kernel = pytest.mark.skipif("woq_cpu.extension_a8() is None", reason="no int8-activation kernel here")
 
 
 def other_variants(int4: bool) -> dict:
@@ -54,23 +54,9 @@ def test_every_variant_gives_a_row_alone_the_value_it_has_among_m_rows(int4):
 
 
 @needs_a8_kernel
-@pytest.mark.parametrize("kind", ["int4-fp16", "int4-two-level", "int8-g16-two-level", "int8-g32-fp16"])
+@pytest.mark.parametrize("kind", COMPACT_KINDS)
 def test_every_variant_reads_compact_scales_as_their_float32_values(kind):
-    n, k = 37, 768
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(7, k, generator=g) * 3
-    if kind.startswith("int4"):
-        base = quantize_int4(torch.randn(n, k, generator=g) * 0.05, 32)
-        if kind == "int4-fp16":
-            scales, offsets = base.scales.half().float(), base.offsets.half().float()
-        else:
-            scales, offsets = k_quant_scales(n, k, 32, 4, False), -k_quant_scales(n, k, 32, 5, False)
-        weight = Int4Weight(base.packed, scales, offsets)
-    else:
-        group = 16 if "g16" in kind else 32
-        base = quantize_int8(torch.randn(n, k, generator=g) * 0.05, group)
-        scales = k_quant_scales(n, k, 16, 6, True) if group == 16 else base.scales.half().float()
-        weight = Int8Weight(base.qweight, scales)
+    weight, x = compact_scales_case(kind, rows=7)
     compact = woq_cpu.A8Weight.prepare(weight)
     assert compact.kernel_scales[0].dtype == (torch.int8 if "two-level" in kind else torch.float16)
     plain = woq_cpu.A8Weight(compact.weight, compact.scales, compact.offsets)  # float32 scales

@@ -24,7 +24,7 @@ from specdec.kernels.cpu.woq_format import (
     supports_a8,
 )
 
-needs_kernel = pytest.mark.skipif(not woq_cpu.available(), reason="no AVX-512 or AVX2 kernel on this machine")
+needs_kernel = pytest.mark.skipif("not woq_cpu.available()", reason="no AVX-512 or AVX2 kernel on this machine")
 pytestmark = pytest.mark.usefixtures("kernel_isa")
 
 FORMATS = {
@@ -133,7 +133,7 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
 
 # ---- int8 activations (w8a8 / w4a8): csrc/woq_a8.cpp against woq_format.reference_linear_a8 ----
 
-needs_a8_kernel = pytest.mark.skipif(woq_cpu.extension_a8() is None, reason="no AVX-512 VNNI or AVX2 kernel here")
+needs_a8_kernel = pytest.mark.skipif("woq_cpu.extension_a8() is None", reason="no AVX-512 VNNI or AVX2 kernel here")
 
 A8_FORMATS = {
     "w8a8-channel": lambda w: quantize_int8(w),
@@ -377,24 +377,31 @@ def test_compact_scales_hold_the_same_values_in_fewer_bytes():
     assert values is arbitrary and factors is None
 
 
-@needs_a8_kernel
-@pytest.mark.parametrize("kind", ["int4-fp16", "int4-two-level", "int8-g16-two-level", "int8-g32-fp16"])
-def test_a8_kernel_on_compact_scales_equals_it_on_float32_scales_bitwise(kind):
-    n, k = 37, 768
+COMPACT_KINDS = ["int4-fp16", "int4-two-level", "int8-g16-two-level", "int8-g32-fp16"]
+
+
+def compact_scales_case(kind: str, rows: int, n: int = 37, k: int = 768):
+    """(a weight whose scales (and offsets) a compact form holds exactly: float16 or, "two-level", GGUF
+    K-quant int8 codes times a factor per super-block; x [rows, k])."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(6, k, generator=g) * 3
+    x = torch.randn(rows, k, generator=g) * 3
     if kind.startswith("int4"):
         base = quantize_int4(torch.randn(n, k, generator=g) * 0.05, 32)
         if kind == "int4-fp16":
             scales, offsets = base.scales.half().float(), base.offsets.half().float()
         else:
             scales, offsets = k_quant_scales(n, k, 32, 4, False), -k_quant_scales(n, k, 32, 5, False)
-        weight = Int4Weight(base.packed, scales, offsets)
-    else:
-        group = 16 if "g16" in kind else 32
-        base = quantize_int8(torch.randn(n, k, generator=g) * 0.05, group)
-        scales = k_quant_scales(n, k, 16, 6, True) if group == 16 else base.scales.half().float()
-        weight = Int8Weight(base.qweight, scales)
+        return Int4Weight(base.packed, scales, offsets), x
+    group = 16 if "g16" in kind else 32
+    base = quantize_int8(torch.randn(n, k, generator=g) * 0.05, group)
+    scales = k_quant_scales(n, k, 16, 6, True) if group == 16 else base.scales.half().float()
+    return Int8Weight(base.qweight, scales), x
+
+
+@needs_a8_kernel
+@pytest.mark.parametrize("kind", COMPACT_KINDS)
+def test_a8_kernel_on_compact_scales_equals_it_on_float32_scales_bitwise(kind):
+    weight, x = compact_scales_case(kind, rows=6)
     compact = woq_cpu.A8Weight.prepare(weight)
     expected = torch.int8 if "two-level" in kind else torch.float16
     assert compact.kernel_scales[0].dtype == expected

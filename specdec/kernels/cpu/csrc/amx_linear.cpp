@@ -19,12 +19,13 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include "common.h"
-
-#include <cstring>
 
 namespace {
 
@@ -47,25 +48,15 @@ bool request_amx() {
   return granted;
 }
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // tiles 0, 1: C of two blocks (rows x 16 float32), 2: A (rows x 32 bf16), 3, 4: B of the two blocks
 // (16 pairs x 16 outputs). Two blocks share each A load and keep two product chains in flight (tile
 // registers are not renamed: one block's products would wait on each other).
 void configure_bf16(int rows) {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = static_cast<uint8_t>(rows);
-  cfg.rows[3] = cfg.rows[4] = 16;
-  for (int t = 0; t < 5; ++t) cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
+  specdec_cpu_common::TileConfig cfg;
+  for (int t = 0; t < 3; ++t) cfg.set(t, rows, 64);
+  cfg.set(3, 16, 64);
+  cfg.set(4, 16, 64);
+  cfg.load();
 }
 
 inline void prefetch_chunk(const uint16_t* w) {

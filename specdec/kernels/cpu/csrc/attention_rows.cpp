@@ -15,8 +15,11 @@
 //
 // ``qkv_attention_rows`` runs a layer's rotary, KV-cache write and attention in one call from the
 // fused QKV projection's output (at batch 1 the separate ops cost more than their arithmetic).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include "common.h"
 

@@ -8,9 +8,10 @@
 //   silu_mul_row(...)   silu(gate) * up over one row
 //   add_bias(y, bias)   y [M, N] += bias [N], row by row
 //   prefetch_stream(...) a weight tile's rows read as one sequential stream, prefetched ahead
+//   TileConfig          an AMX tile configuration (palette 1), filled by set() and loaded by load()
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -155,6 +156,28 @@ inline void prefetch_stream(const void* tile, int64_t offset, int64_t bytes) {
   const char* p = static_cast<const char*>(tile) + kStreamAhead + offset;
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
 }
+#endif
+
+#if defined(__AMX_TILE__)
+// The 64-byte operand of ldtilecfg: palette 1, then each tile's bytes per row and rows (unset tiles
+// are zero: unused).
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+
+  void set(int tile, int num_rows, int bytes_per_row) {
+    rows[tile] = static_cast<uint8_t>(num_rows);
+    colsb[tile] = static_cast<uint16_t>(bytes_per_row);
+  }
+
+  // Not _tile_loadconfig: gcc 12 declares its operand an 8-byte read, so the stores of rows and
+  // colsb before it may be dropped as dead (the first tile instruction then faults); the asm's
+  // operand is the whole struct.
+  void load() const { asm volatile("ldtilecfg %0" : : "m"(*this)); }
+};
 #endif
 
 inline void add_bias(at::Tensor& y, const c10::optional<at::Tensor>& bias) {

@@ -6,8 +6,11 @@
 //   rms_norm(x, weight, eps)
 //   rotate(x [T, H, D] (rows may be strided), cos [T, 1, D/2], sin) -> rotate-half rotary
 //   silu_mul(x [..., 2I]) -> silu(x[..., :I]) * x[..., I:] (the gated MLP's activation)
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include "common.h"
 

@@ -18,8 +18,9 @@
 // their slots or the tile they share, and the delta is added to out once, so row m of an M-row
 // call equals the one-row call bit for bit. Threads split slots' blocks of outputs, never a sum.
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>

@@ -22,6 +22,8 @@
 // code, not a copy.
 #include "woq_a8.cpp"
 
+#include <ATen/ops/zeros.h>
+
 #include <tuple>
 #include <vector>
 

@@ -45,8 +45,10 @@
 // a8_linear_bf16 run other instruction sequences for the same sums and scaling, equal to a8_linear
 // bit for bit; which runs at a row count is measured at load time.
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include "common.h"
 
@@ -99,6 +101,23 @@ inline int32_t load_word(const uint8_t* p) {
   return v;
 }
 
+#include "woq_a8_scaling.h"
+
+// Half h (outputs 8h .. 8h + 7) of the 64-byte weight vector at p, for tiles that run a block as two
+// halves of 8 outputs (the AVX2 build's, vnni256): the first half's read prefetches the stream, the
+// second reads the vectors again from cache.
+inline __m256i load_half(const uint8_t* p, int h) {
+  if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + specdec_cpu_common::kStreamAhead, _MM_HINT_T1);
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+}
+
+// int4: the low and the high nibbles of each byte of v
+inline void split_nibbles(__m256i v, __m256i& lo, __m256i& hi) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(v, low4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+}
+
 #if defined(__AVX512VNNI__)
 
 // The 16 values of group g of block blk.
@@ -112,6 +131,24 @@ __attribute__((always_inline)) inline __m512 group_values(const Args& a, const v
   const __m512 codes = _mm512_cvtepi32_ps(
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(v) + at))));
   return _mm512_mul_ps(codes, _mm512_loadu_ps(sup + (blk * a.nsb + g * a.G / a.S) * kBlock));
+}
+
+// Where the unit at input k0 starts a group: that group's scales into sv and (int4) offsets into ov
+template <bool INT4, int SF>
+__attribute__((always_inline)) inline void enter_group(const Args& a, int64_t blk, int64_t k0, __m512& sv, __m512& ov) {
+  if (k0 % a.G != 0) return;
+  sv = group_values<SF>(a, a.ws, a.ws_sup, blk, k0 / a.G);
+  if (INT4) ov = group_values<SF>(a, a.wo, a.wo_sup, blk, k0 / a.G);
+}
+
+// rows 0 .. MB - 1 of block blk's outputs from their float sums
+template <int MB>
+__attribute__((always_inline)) inline void store_rows(const Args& a, int64_t blk, const __m512* facc) {
+  alignas(64) float out[16];
+  for (int m = 0; m < MB; ++m) {
+    _mm512_store_ps(out, facc[m]);
+    store_outputs(a, m, blk, out);
+  }
 }
 
 // acc += u8 a . s8 b per 32-bit lane (vpdpbusd), accumulating in place: written with the
@@ -134,10 +171,7 @@ void tile(const Args& a, int64_t blk) {
   __m512 sv = _mm512_setzero_ps(), ov = _mm512_setzero_ps();
   const uint8_t* wp = a.w + blk * a.blk_bytes;
   for (int64_t k0 = 0; k0 < a.K; k0 += a.E) {
-    if (k0 % a.G == 0) {
-      sv = group_values<SF>(a, a.ws, a.ws_sup, blk, k0 / a.G);
-      if (INT4) ov = group_values<SF>(a, a.wo, a.wo_sup, blk, k0 / a.G);
-    }
+    enter_group<INT4, SF>(a, blk, k0, sv, ov);
     __m512i iacc[MB], wsum = _mm512_setzero_si512();
     for (int m = 0; m < MB; ++m) iacc[m] = _mm512_setzero_si512();
     for (int64_t k = k0; k < k0 + a.E; k += kStep) {
@@ -158,16 +192,10 @@ void tile(const Args& a, int64_t blk) {
     const int64_t b = k0 / kABlock;
     for (int m = 0; m < MB; ++m) {
       const __m512i isum = INT4 ? iacc[m] : _mm512_sub_epi32(iacc[m], _mm512_slli_epi32(wsum, 7));
-      facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sv, _mm512_set1_ps(a.xs[m * a.nab + b])),
-                                facc[m]);
-      if (INT4) facc[m] = _mm512_fmadd_ps(ov, _mm512_set1_ps(a.xsx[m * a.nab + b]), facc[m]);
+      facc[m] = scale_unit<INT4>(facc[m], _mm512_cvtepi32_ps(isum), sv, ov, a.xs, a.xsx, m * a.nab + b);
     }
   }
-  alignas(64) float out[16];
-  for (int m = 0; m < MB; ++m) {
-    _mm512_store_ps(out, facc[m]);
-    store_outputs(a, m, blk, out);
-  }
+  store_rows<MB>(a, blk, facc);
 }
 
 // Row m of x -> its s8 activations (int8 on VNNI: + 128), block scales and (int4) xs * block sums.
@@ -190,32 +218,17 @@ void quantize_row(const float* row, int64_t K, bool int4, uint8_t* out, float* x
 #include "woq_a8_variants.h"
 
 #if defined(__AMX_INT8__)
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // tiles 0, 1: C (rows x 16 int32) of an even and an odd unit; 2, 3: their A (rows x E bytes); 4, 5: B
 // (E / 4 rows of 64 bytes). Two units in flight: tile registers are not renamed, so one unit's
 // product would otherwise wait for the previous unit's store.
 void configure_a8(int rows, int E) {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
+  specdec_cpu_common::TileConfig cfg;
   for (int t = 0; t < 2; ++t) {
-    cfg.rows[t] = static_cast<uint8_t>(rows);
-    cfg.colsb[t] = 64;
-    cfg.rows[2 + t] = static_cast<uint8_t>(rows);
-    cfg.colsb[2 + t] = static_cast<uint16_t>(E);
-    cfg.rows[4 + t] = static_cast<uint8_t>(E / 4);
-    cfg.colsb[4 + t] = 64;
+    cfg.set(t, rows, 64);
+    cfg.set(2 + t, rows, E);
+    cfg.set(4 + t, E / 4, 64);
   }
-  // not _tile_loadconfig: gcc 12 declares it to read 8 bytes, so the stores of rows and colsb
-  // above may be dropped as dead (then the first tile instruction faults)
-  asm volatile("ldtilecfg %0" : : "m"(cfg));
+  cfg.load();
 }
 
 // int4: the vectors of inputs [k_begin, k_end) of a block at wp as B rows, 64 bytes each (low nibbles
@@ -353,9 +366,9 @@ inline __m256i broadcast_word(const uint8_t* p) { return _mm256_set1_epi32(load_
 template <bool INT4, int SF, int MB>
 void tile(const Args& a, int64_t blk) {
   constexpr int64_t kStep = INT4 ? 8 : 4;
-  const __m256i ones16 = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones16 = _mm256_set1_epi16(1);
   alignas(32) float facc[MB][16] = {};
-  alignas(32) float sv[16], ov[16];
+  alignas(32) float sv[16], ov[16] = {};  // int8: no offsets
   const uint8_t* wp = a.w + blk * a.blk_bytes;
   for (int64_t k0 = 0; k0 < a.K; k0 += a.E) {
     if (k0 % a.G == 0) {
@@ -367,11 +380,10 @@ void tile(const Args& a, int64_t blk) {
       __m256i acc[MB];
       for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
       for (int64_t k = k0; k < k0 + a.E; k += kStep) {
-        const uint8_t* p = wp + (k / kStep) * 64;
-        if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + specdec_cpu_common::kStreamAhead, _MM_HINT_T1);
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+        const __m256i v = load_half(wp + (k / kStep) * 64, h);
         if (INT4) {
-          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          __m256i lo, hi;
+          split_nibbles(v, lo, hi);
           for (int m = 0; m < MB; ++m) {
             const uint8_t* x = a.xq + m * a.K + k;
             acc[m] = _mm256_add_epi16(acc[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast_word(x)),
@@ -385,13 +397,11 @@ void tile(const Args& a, int64_t blk) {
           }
         }
       }
-      const __m256 s = _mm256_load_ps(sv + 8 * h);
+      const __m256 s = _mm256_load_ps(sv + 8 * h), o = _mm256_load_ps(ov + 8 * h);
       for (int m = 0; m < MB; ++m) {
         const __m256i isum = INT4 ? _mm256_madd_epi16(acc[m], ones16) : acc[m];
-        const __m256 xs = _mm256_set1_ps(a.xs[m * a.nab + b]);
-        __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(s, xs), _mm256_load_ps(facc[m] + 8 * h));
-        if (INT4) f = _mm256_fmadd_ps(_mm256_load_ps(ov + 8 * h), _mm256_set1_ps(a.xsx[m * a.nab + b]), f);
-        _mm256_store_ps(facc[m] + 8 * h, f);
+        _mm256_store_ps(facc[m] + 8 * h, scale_unit<INT4>(_mm256_load_ps(facc[m] + 8 * h), _mm256_cvtepi32_ps(isum), s,
+                                                          o, a.xs, a.xsx, m * a.nab + b));
       }
     }
   }

@@ -13,9 +13,10 @@
 //                       unit's accumulator starts at -128 * (the row's sum of q over the unit)
 //
 // All give every unit the same exact integer sums as tile() (bf16: |partial sums| < 2^21, so the
-// float32 sums are the integers themselves), then run tile()'s float scaling, one lane per output, in
-// the same order: every variant equals a8_linear bit for bit, at every row count, so a caller may
-// pick one per call by its row count and a row's result stays independent of the call's rows.
+// float32 sums are the integers themselves), then run tile()'s float scaling (scale_unit,
+// woq_a8_scaling.h), one lane per output, in the same order: every variant equals a8_linear bit for
+// bit, at every row count, so a caller may pick one per call by its row count and a row's result
+// stays independent of the call's rows.
 
 enum A8Variant { kVnni512 = 0, kVnni512Bcast = 1, kVnni256 = 2, kBf16 = 3 };
 
@@ -46,10 +47,7 @@ void tile_vnni512_bcast(const Args& a, int64_t blk) {
   __m512 sv = _mm512_setzero_ps(), ov = _mm512_setzero_ps();
   const uint8_t* wp = a.w + blk * a.blk_bytes;
   for (int64_t k0 = 0; k0 < a.K; k0 += a.E) {
-    if (k0 % a.G == 0) {
-      sv = group_values<SF>(a, a.ws, a.ws_sup, blk, k0 / a.G);
-      ov = group_values<SF>(a, a.wo, a.wo_sup, blk, k0 / a.G);
-    }
+    enter_group<true, SF>(a, blk, k0, sv, ov);
     __m512i iacc[MB];
     for (int m = 0; m < MB; ++m) iacc[m] = _mm512_setzero_si512();
     for (int64_t k = k0; k < k0 + a.E; k += 8) {
@@ -63,17 +61,10 @@ void tile_vnni512_bcast(const Args& a, int64_t blk) {
       }
     }
     const int64_t b = k0 / kABlock;
-    for (int m = 0; m < MB; ++m) {
-      facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[m]), _mm512_mul_ps(sv, _mm512_set1_ps(a.xs[m * a.nab + b])),
-                                facc[m]);
-      facc[m] = _mm512_fmadd_ps(ov, _mm512_set1_ps(a.xsx[m * a.nab + b]), facc[m]);
-    }
+    for (int m = 0; m < MB; ++m)
+      facc[m] = scale_unit<true>(facc[m], _mm512_cvtepi32_ps(iacc[m]), sv, ov, a.xs, a.xsx, m * a.nab + b);
   }
-  alignas(64) float out[16];
-  for (int m = 0; m < MB; ++m) {
-    _mm512_store_ps(out, facc[m]);
-    store_outputs(a, m, blk, out);
-  }
+  store_rows<MB>(a, blk, facc);
 }
 
 // Outputs 8h .. 8h + 7 of group g of block blk (group_values' lanes)
@@ -90,7 +81,7 @@ __attribute__((always_inline)) inline __m256 group_values_half(const Args& a, co
 template <bool INT4, int SF, int MB>
 void tile_vnni256(const Args& a, int64_t blk) {
   constexpr int64_t kStep = INT4 ? 8 : 4;  // inputs per 64-byte vector
-  const __m256i ones = _mm256_set1_epi8(1), low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi8(1);
   const uint8_t* wp = a.w + blk * a.blk_bytes;
   alignas(64) float out[MB][16];
   for (int h = 0; h < 2; ++h) {
@@ -105,11 +96,10 @@ void tile_vnni256(const Args& a, int64_t blk) {
       __m256i iacc[MB], wsum = _mm256_setzero_si256();
       for (int m = 0; m < MB; ++m) iacc[m] = _mm256_setzero_si256();
       for (int64_t k = k0; k < k0 + a.E; k += kStep) {
-        const uint8_t* p = wp + (k / kStep) * 64;
-        if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + specdec_cpu_common::kStreamAhead, _MM_HINT_T1);
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+        const __m256i v = load_half(wp + (k / kStep) * 64, h);
         if (INT4) {
-          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          __m256i lo, hi;
+          split_nibbles(v, lo, hi);
           for (int m = 0; m < MB; ++m) {
             dpbusd_bcast(iacc[m], lo, a.xq + m * a.K + k);
             dpbusd_bcast(iacc[m], hi, a.xq + m * a.K + k + 4);
@@ -122,9 +112,7 @@ void tile_vnni256(const Args& a, int64_t blk) {
       const int64_t b = k0 / kABlock;
       for (int m = 0; m < MB; ++m) {
         const __m256i isum = INT4 ? iacc[m] : _mm256_sub_epi32(iacc[m], _mm256_slli_epi32(wsum, 7));
-        facc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sv, _mm256_set1_ps(a.xs[m * a.nab + b])),
-                                  facc[m]);
-        if (INT4) facc[m] = _mm256_fmadd_ps(ov, _mm256_set1_ps(a.xsx[m * a.nab + b]), facc[m]);
+        facc[m] = scale_unit<INT4>(facc[m], _mm256_cvtepi32_ps(isum), sv, ov, a.xs, a.xsx, m * a.nab + b);
       }
     }
     for (int m = 0; m < MB; ++m) _mm256_store_ps(out[m] + 8 * h, facc[m]);
@@ -167,10 +155,7 @@ void tile_bf16(const Args& a, int64_t blk) {
   __m512 sv = _mm512_setzero_ps(), ov = _mm512_setzero_ps();
   const uint8_t* wp = a.w + blk * a.blk_bytes;
   for (int64_t k0 = 0; k0 < a.K; k0 += a.E) {
-    if (k0 % a.G == 0) {
-      sv = group_values<SF>(a, a.ws, a.ws_sup, blk, k0 / a.G);
-      ov = group_values<SF>(a, a.wo, a.wo_sup, blk, k0 / a.G);
-    }
+    enter_group<true, SF>(a, blk, k0, sv, ov);
     const int64_t b = k0 / kABlock;
     __m512 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_set1_ps(a.xstart[m * a.nab + b]);
@@ -190,16 +175,9 @@ void tile_bf16(const Args& a, int64_t blk) {
         dpbf16_bcast(acc[m], w57, x + 6);
       }
     }
-    for (int m = 0; m < MB; ++m) {
-      facc[m] = _mm512_fmadd_ps(acc[m], _mm512_mul_ps(sv, _mm512_set1_ps(a.xs[m * a.nab + b])), facc[m]);
-      facc[m] = _mm512_fmadd_ps(ov, _mm512_set1_ps(a.xsx[m * a.nab + b]), facc[m]);
-    }
+    for (int m = 0; m < MB; ++m) facc[m] = scale_unit<true>(facc[m], acc[m], sv, ov, a.xs, a.xsx, m * a.nab + b);
   }
-  alignas(64) float out[16];
-  for (int m = 0; m < MB; ++m) {
-    _mm512_store_ps(out, facc[m]);
-    store_outputs(a, m, blk, out);
-  }
+  store_rows<MB>(a, blk, facc);
 }
 
 // tile() or one of the variants above for block blk (a variant a format does not take runs tile())

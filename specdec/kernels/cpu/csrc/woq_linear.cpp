@@ -11,8 +11,10 @@
 // rows share its tile, so row i of an M-row call equals the 1-row call bit for bit. Parallel over
 // blocks of outputs (at::parallel_for); software prefetch (common.h's prefetch_stream) keeps the
 // weight stream ahead of the tile.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include "common.h"
 
