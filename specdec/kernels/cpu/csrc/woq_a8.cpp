@@ -120,17 +120,23 @@ inline void split_nibbles(__m256i v, __m256i& lo, __m256i& hi) {
 
 #if defined(__AVX512VNNI__)
 
-// The 16 values of group g of block blk.
+// The 16 values of group g of block blk, whose super-block is sb (two-level scales).
 template <int SF>
 __attribute__((always_inline)) inline __m512 group_values(const Args& a, const void* v, const float* sup, int64_t blk,
-                                                         int64_t g) {
+                                                         int64_t g, int64_t sb) {
   const int64_t at = (blk * a.ng + g) * kBlock;
   if (SF == kF32) return _mm512_loadu_ps(static_cast<const float*>(v) + at);
   if (SF == kF16)
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(v) + at)));
   const __m512 codes = _mm512_cvtepi32_ps(
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(v) + at))));
-  return _mm512_mul_ps(codes, _mm512_loadu_ps(sup + (blk * a.nsb + g * a.G / a.S) * kBlock));
+  return _mm512_mul_ps(codes, _mm512_loadu_ps(sup + (blk * a.nsb + sb) * kBlock));
+}
+
+template <int SF>
+__attribute__((always_inline)) inline __m512 group_values(const Args& a, const void* v, const float* sup, int64_t blk,
+                                                         int64_t g) {
+  return group_values<SF>(a, v, sup, blk, g, g * a.G / a.S);
 }
 
 // Where the unit at input k0 starts a group: that group's scales into sv and (int4) offsets into ov
@@ -245,19 +251,6 @@ inline void unpack_int4(const uint8_t* wp, int64_t k_begin, int64_t k_end, uint8
   }
 }
 
-// group_values for group g whose super-block is sb (two-level), without its divisions
-template <int SF>
-__attribute__((always_inline)) inline __m512 amx_group_values(const Args& a, const void* v, const float* sup,
-                                                             int64_t blk, int64_t g, int64_t sb) {
-  const int64_t at = (blk * a.ng + g) * kBlock;
-  if (SF == kF32) return _mm512_loadu_ps(static_cast<const float*>(v) + at);
-  if (SF == kF16)
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(v) + at)));
-  const __m512 codes = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(v) + at))));
-  return _mm512_mul_ps(codes, _mm512_loadu_ps(sup + (blk * a.nsb + sb) * kBlock));
-}
-
 // One pass of a tile: rows r0 .. r0 + rows - 1 of block blk over inputs [k_begin, k_end), B operands
 // at b (the unit at input k at b + 16 * (k - k_begin)), tiles configured for these rows and E.
 // acc [rows][16] holds the rows' float sums between passes over a block's inputs (read unless
@@ -312,8 +305,8 @@ void tile_amx(const Args& a, int64_t blk, int64_t r0, int rows, int64_t k_begin,
           }
         }
         next_group = (g + 1) * a.G;
-        sv = amx_group_values<SF>(a, a.ws, a.ws_sup, blk, g, sb);
-        if (INT4) ov = amx_group_values<SF>(a, a.wo, a.wo_sup, blk, g, sb);
+        sv = group_values<SF>(a, a.ws, a.ws_sup, blk, g, sb);
+        if (INT4) ov = group_values<SF>(a, a.wo, a.wo_sup, blk, g, sb);
       }
       const int64_t ab = k / kABlock;
       const int32_t* s = isum[(i - 1) & 1][u];
