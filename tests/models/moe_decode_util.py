@@ -9,6 +9,7 @@ from specdec import LLM, SamplingParams
 from specdec.layers.moe import moe_layers
 
 NUM_NEW = 12  # tokens each prompt decodes
+ENGINE = dict(dtype="float32", device="cpu", max_model_len=96, spec_cost_calibration=False)
 
 
 def model_of(llm: LLM):
@@ -37,3 +38,13 @@ def transformers_greedy(model, prompts) -> list[list[int]]:
         return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                do_sample=False, max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, eos_token_id=None,
                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
+def assert_w4a8_ngram_lossless(path, prompts) -> None:
+    """The checkpoint at ``path`` loaded with ``quantization="w4a8"``: its experts run int8 activations, and
+    n-gram speculation decodes ``prompts`` exactly as plain greedy decoding does."""
+    llm = LLM(model=path, quantization="w4a8", **ENGINE,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    expert = model_of(llm).layers[0].mlp.experts[0]
+    assert expert.gate_up_proj.int8_activations and expert.down_proj.int8_activations
+    assert greedy(llm, prompts) == greedy(llm, prompts, use_speculation=False)

@@ -18,7 +18,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from moe_decode_util import greedy, greedy_counting_experts, model_of, transformers_greedy  # noqa: E402
+from moe_decode_util import (ENGINE, assert_w4a8_ngram_lossless, greedy, greedy_counting_experts,  # noqa: E402
+                             model_of, transformers_greedy)
 
 from specdec import LLM  # noqa: E402
 from specdec.bench.peers.llama_cpp import find_bin_dir, peers_dir, source_dir  # noqa: E402
@@ -31,7 +32,6 @@ TOKENIZER = cache_dir() / "models" / "SmolLM2-135M-Instruct"
 BIN_DIR = find_bin_dir()[0]
 SOURCE = source_dir(BIN_DIR) or (peers_dir() / "llama.cpp" if (peers_dir() / "llama.cpp" / "convert_hf_to_gguf.py").is_file()
                                  else None)
-ENGINE = dict(dtype="float32", device="cpu", max_model_len=96, spec_cost_calibration=False)
 NUM_EXPERTS, TOP_K = 8, 2
 
 pytestmark = [pytest.mark.skipif(SOURCE is None, reason="llama.cpp source (convert_hf_to_gguf.py) not built"),
@@ -130,12 +130,7 @@ def test_speculation_over_a_moe_gguf_is_lossless(converted):
 
 def test_w4a8_over_the_files_experts_is_lossless_too(converted):
     _, kept, _ = converted
-    llm = LLM(model=kept, quantization="w4a8", **ENGINE,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    expert = model_of(llm).layers[0].mlp.experts[0]
-    assert expert.gate_up_proj.int8_activations and expert.down_proj.int8_activations
-    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9]]
-    assert greedy(llm, prompts) == greedy(llm, prompts, use_speculation=False)
+    assert_w4a8_ngram_lossless(kept, [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9]])
 
 
 def test_a_mixtral_style_llama_gguf_is_refused_with_what_to_do(tmp_path):

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 from gguf_writer_util import EXPERT_TYPES, quantize_q4_k, write_qwen3moe_gguf
-from moe_decode_util import greedy, greedy_counting_experts, model_of, transformers_greedy
+from moe_decode_util import (ENGINE, assert_w4a8_ngram_lossless, greedy, greedy_counting_experts, model_of,
+                             transformers_greedy)
 
 from specdec import LLM
 from specdec.layers.moe import SparseMoE
 from specdec.layers.quantization import WeightOnlyLinear
 from specdec.models import gguf_convert
 
-ENGINE = dict(dtype="float32", device="cpu", max_model_len=96, spec_cost_calibration=False)
 NUM_EXPERTS, TOP_K = 16, 4
 PROMPTS = [[5, 17, 99, 200, 3, 42, 7], [100, 200, 300], list(range(40, 70))]
 
@@ -105,9 +105,4 @@ def test_speculation_over_the_written_file_is_lossless(written):
 
 def test_w4a8_over_the_written_experts_is_lossless_too(written):
     _, kept, _ = written
-    llm = LLM(model=kept, quantization="w4a8", **ENGINE,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    expert = model_of(llm).layers[0].mlp.experts[0]
-    assert expert.gate_up_proj.int8_activations and expert.down_proj.int8_activations
-    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9], PROMPTS[2]]
-    assert greedy(llm, prompts) == greedy(llm, prompts, use_speculation=False)
+    assert_w4a8_ngram_lossless(kept, [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9], PROMPTS[2]])
