@@ -46,6 +46,9 @@ class SpeculativeConfig:
     # chains drafted by a model (draft_model, eagle, eagle3, mtp): a request stops drafting at the
     # first draft token whose probability under the draft (temperature 1) is below this; 0 = K always
     draft_confidence_threshold: float = 0.0
+    # method "draft_model_lookup": when a request's prompt lookup replaces its draft model, e.g.
+    # {"source": "ngram", "min_match": 3, "max_match": 8, "min_tokens": 2} (``spec_decode/lookup_draft.py``)
+    prompt_lookup: dict | None = None
 
     def __post_init__(self) -> None:
         method = get_method(self.method)  # the method's own checks run last, on a config checked here
@@ -87,6 +90,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.tree_topk > 1 needs method "
                              f"{_either(n for n, m in registered_methods().items() if m.supports_tree)} (a draft "
                              f"that scores candidates), got {self.method!r}")
+        if self.prompt_lookup is not None and self.method != "draft_model_lookup":
+            raise ValueError(f"speculative_config.prompt_lookup applies to method 'draft_model_lookup', "
+                             f"got {self.method!r}")
         method.validate(self)
 
     @property

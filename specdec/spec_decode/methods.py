@@ -361,6 +361,22 @@ register_method(SpecMethod("ngram", _build_ngram, validate=_validate_ngram))
 register_method(SpecMethod("suffix", _build_suffix))
 
 
+def _lookup_draft(part: str) -> Callable:
+    """A part of the "draft_model_lookup" method (``spec_decode/lookup_draft.py``), imported on first use."""
+    def call(*args):
+        from specdec.spec_decode import lookup_draft
+
+        return getattr(lookup_draft, part)(*args)
+    return call
+
+
+# prompt lookup where the context repeats itself, the draft model for the other requests (chains only)
+register_method(SpecMethod("draft_model_lookup", _lookup_draft("build"), needs_model=True, has_draft_model=True,
+                           draft_kv_cache=True, supports_draft_vocab=True, validate=_lookup_draft("validate"),
+                           check_draft=_check_draft_model, plan_draft=_plan_draft_model, load=_load_draft_model),
+                module=__name__)
+
+
 def _mtp(part: str) -> Callable:
     """A part of the "mtp" method (``spec_decode/mtp.py``), imported on first use."""
     def call(*args):

@@ -24,6 +24,9 @@ class DraftProposal:
     # steady decoding, a whole prompt after a prefill); 0 for proposers without a model
     num_first_pass_rows: int = 0
     expected_by_request: list[float] | None = None  # adaptive trees: ``expected_accepted`` per request
+    # draft-model passes run when not every drafted position cost one (a lookup filled some
+    # requests: ``lookup_draft.py``); None => the deepest position drafted
+    num_model_passes: int | None = None
 
     @classmethod
     def empty(cls, num_requests: int) -> DraftProposal:
@@ -71,7 +74,7 @@ class DraftProposal:
         if probs is not None:
             probs = probs.index_select(0, torch.tensor(prob_rows, dtype=torch.int64, device=probs.device))
         return DraftProposal(tokens, probs, parents, self.expected_accepted, self.num_first_pass_rows,
-                             self.expected_by_request)
+                             self.expected_by_request, self.num_model_passes)
 
     def row_histories(self, i: int) -> list[list[int]]:
         """Request i's verification rows (1 + its drafts): the drafts before each scored position."""

@@ -217,7 +217,8 @@ class Worker:
             proposal = grammar.prune(reqs, proposal)
         out.num_draft_first_pass_rows = proposal.num_first_pass_rows
         if self.method.has_draft_model:
-            out.num_draft_passes = max(proposal.num_positions, default=0)
+            out.num_draft_passes = (max(proposal.num_positions, default=0) if proposal.num_model_passes is None
+                                    else proposal.num_model_passes)
         first = 0
         for i, (req, drafts) in enumerate(zip(reqs, proposal.draft_token_ids)):
             if not drafts:
