@@ -78,10 +78,9 @@ def build_lookup(options: PromptLookupOptions, max_k: int):
 class LookupDraftProposer(Proposer):
     name = "draft_model_lookup"
 
-    def __init__(self, draft: Proposer, lookup, vocab_size: int, min_tokens: int):
+    def __init__(self, draft: Proposer, lookup, min_tokens: int):
         self.draft = draft  # chains only: a tree's drafts could not be mixed with a lookup chain
         self.lookup = lookup  # ``propose(token_ids, num_tokens, request_ids) -> drafts`` (ngram.py, suffix.py)
-        self.vocab_size = vocab_size
         self.min_tokens = min_tokens
 
     def propose(self, requests: list[CachedRequestState], num_spec: list[int],
@@ -140,4 +139,4 @@ def build(spec, runner, vocab_size, parts):
 
     options = PromptLookupOptions.from_config(spec.prompt_lookup)
     return LookupDraftProposer(_build_draft_model(spec, runner, vocab_size, parts), build_lookup(options, spec.max_k),
-                               vocab_size, options.min_tokens)
+                               options.min_tokens)
