@@ -90,8 +90,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.tree_topk > 1 needs method "
                              f"{_either(n for n, m in registered_methods().items() if m.supports_tree)} (a draft "
                              f"that scores candidates), got {self.method!r}")
-        if self.prompt_lookup is not None and self.method != "draft_model_lookup":
-            raise ValueError(f"speculative_config.prompt_lookup applies to method 'draft_model_lookup', "
+        if self.prompt_lookup is not None and not method.supports_prompt_lookup:
+            raise ValueError(f"speculative_config.prompt_lookup applies to method "
+                             f"{_either(n for n, m in registered_methods().items() if m.supports_prompt_lookup)}, "
                              f"got {self.method!r}")
         method.validate(self)
 

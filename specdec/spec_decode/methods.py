@@ -86,6 +86,7 @@ class SpecMethod:
     has_draft_model: bool = False  # drafting costs a model forward per token (the cost model prices it)
     supports_tree: bool = False  # its draft scores candidates: token trees (tree_topk > 1)
     supports_draft_vocab: bool = False  # draft_vocab_size / draft_vocab can cut its LM head
+    supports_prompt_lookup: bool = False  # it reads speculative_config.prompt_lookup (``lookup_draft.py``)
     needs_target_hidden: bool = False  # it reads the target's hidden states every step
     graph_capturable: bool = True  # its steps can run in CUDA/HIP graphs
     validate: Callable[[SpeculativeConfig], None] = _no_checks
@@ -372,7 +373,8 @@ def _lookup_draft(part: str) -> Callable:
 
 # prompt lookup where the context repeats itself, the draft model for the other requests (chains only)
 register_method(SpecMethod("draft_model_lookup", _lookup_draft("build"), needs_model=True, has_draft_model=True,
-                           draft_kv_cache=True, supports_draft_vocab=True, validate=_lookup_draft("validate"),
+                           draft_kv_cache=True, supports_draft_vocab=True, supports_prompt_lookup=True,
+                           validate=_lookup_draft("validate"),
                            check_draft=_check_draft_model, plan_draft=_plan_draft_model, load=_load_draft_model),
                 module=__name__)
 
