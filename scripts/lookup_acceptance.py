@@ -11,11 +11,9 @@ of steps it fires, the lookup's mean accepted tokens there vs the draft model's 
 a first-order time estimate from the run's own step costs (a lookup step skips the draft passes).
 """
 import argparse
-import glob
 import json
 import os
 import statistics
-import time
 
 import numpy as np
 
@@ -25,25 +23,6 @@ from specdec.spec_decode.ngram import common_suffix_lengths, earlier_match_ends
 from specdec.spec_decode.suffix import SuffixProposer
 
 HOME = os.path.expanduser("~/.cache/specdec")
-parser = argparse.ArgumentParser()
-parser.add_argument("--target", default=f"{HOME}/downloads/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
-parser.add_argument("--tokenizer", default=f"{HOME}/models/Qwen2.5-Coder-1.5B-Instruct")
-parser.add_argument("--draft", default=f"{HOME}/models/Qwen2.5-Coder-0.5B-Instruct")
-parser.add_argument("--k", type=int, default=6)
-parser.add_argument("--num-tasks", type=int, default=16)
-parser.add_argument("--max-tokens", type=int, default=256)
-parser.add_argument("--output-json", default=None)
-args = parser.parse_args()
-
-spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k, "quantization": "w4a8",
-        "draft_vocab_size": 49152}
-llm = LLM(model=args.target, tokenizer=args.tokenizer, quantization="w4a8", num_threads=2, max_model_len=2048,
-          kv_cache_memory=256 << 20, speculative_config=spec)
-records = []
-llm.engine.add_step_observer(records.append)
-params = SamplingParams(temperature=0, max_tokens=args.max_tokens, stop=STOP)
-tasks = load_tasks("humaneval", args.num_tasks)
-suffix = SuffixProposer(args.k)  # its global store learns each finished task, as a server's would
 
 
 def ngram_match(context: np.ndarray, max_n: int) -> tuple[int, int]:
@@ -65,66 +44,96 @@ def accepted(draft, truth) -> int:
     return n
 
 
-steps = []  # per verification step: draft's (drafted, accepted), lookup's (match, proposal, accepted)
-costs = {"target_s": [], "draft_s": [], "draft_passes": []}
-llm.generate([tasks[0].prompt], params, use_tqdm=False)  # warm-up
-wall = []
-for task in tasks:
-    records.clear()
-    t0 = time.perf_counter()
-    out = llm.generate([task.prompt], params, use_tqdm=False)[0]
-    wall.append(time.perf_counter() - t0)
-    prompt = list(out.prompt_token_ids)
-    output = list(out.outputs[0].token_ids)
+def step_rows(task_id: str, prompt: list[int], output: list[int], records, suffix: SuffixProposer, k: int,
+              costs: dict) -> list[dict]:
+    """Per step that verified the draft model's drafts (batch 1): the draft's (drafted, accepted)
+    and what the n-gram and suffix lookups would have proposed there and kept. ``suffix`` learns
+    the task afterwards, as a server's would; ``costs`` collects the step timings."""
     full = np.asarray(prompt + output, dtype=np.int64)
-    position = 0  # output tokens committed before the step
+    rows, position = [], 0  # output tokens committed before the step
     for rec in records:
         res = rec.result
         if rec.scheduled.num_scheduled_tokens[0] == 1 and res.num_draft_tokens[0]:
             context = full[: len(prompt) + position]
             truth = output[position:]
             match, start = ngram_match(context, 16)
-            lookup = full[start : min(start + args.k, len(context))].tolist() if match else []
-            suf = suffix._propose_one(context, args.k)
-            steps.append({"task": task.task_id, "draft_n": res.num_draft_tokens[0], "draft_acc": res.num_accepted_tokens[0],
-                          "match": match, "lookup_n": len(lookup), "lookup_acc": accepted(lookup, truth),
-                          "suffix_n": len(suf), "suffix_acc": accepted(suf, truth)})
-            costs["target_s"].append(res.target_seconds)
+            lookup = full[start : min(start + k, len(context))].tolist() if match else []
+            suf = suffix._propose_one(context, k)
+            rows.append({"task": task_id, "draft_n": res.num_draft_tokens[0], "draft_acc": res.num_accepted_tokens[0],
+                         "match": match, "lookup_n": len(lookup), "lookup_acc": accepted(lookup, truth),
+                         "suffix_n": len(suf), "suffix_acc": accepted(suf, truth)})
+            costs.setdefault("target_s", []).append(res.target_seconds)
         if res.draft_seconds and res.num_draft_passes and res.num_draft_first_pass_rows <= 2:
-            costs["draft_s"].append(res.draft_seconds)
-            costs["draft_passes"].append(res.num_draft_passes)
+            costs.setdefault("draft_s", []).append(res.draft_seconds)
         position += rec.num_emitted_tokens[0]
     suffix.on_request_finished("live", full.tolist(), num_prompt_tokens=len(prompt))
-    print(task.task_id, len(output), "tokens", round(wall[-1], 2), "s", flush=True)
+    return rows
 
-verify_s = statistics.median(costs["target_s"])
-draft_s = statistics.median(costs["draft_s"])
-draft_acc = [s["draft_acc"] for s in steps]
-print(f"{len(steps)} verification steps; draft model K={args.k}: mean accepted {statistics.mean(draft_acc):.2f}; "
-      f"median verify {1e3 * verify_s:.0f} ms, median drafting {1e3 * draft_s:.0f} ms "
-      f"({statistics.median(costs['draft_passes'])} passes); loaded machine")
-base_tokens = sum(a + 1 for a in draft_acc)
-base_time = len(steps) * (verify_s + draft_s)
-rules = []
-for source in ("lookup", "suffix"):
-    for min_match in ((1, 2, 3, 4, 6) if source == "lookup" else (0,)):
-        for min_tokens in (1, 2, 3, 4):
-            fired = [s for s in steps if s[f"{source}_n"] >= min_tokens and s["match"] >= min_match]
-            if not fired:
-                continue
-            lk = statistics.mean(s[f"{source}_acc"] for s in fired)
-            dm = statistics.mean(s["draft_acc"] for s in fired)
-            # a fired step emits lookup_acc + 1 tokens for a verification alone (no draft passes)
-            tokens = base_tokens + sum(s[f"{source}_acc"] - s["draft_acc"] for s in fired)
-            time_s = base_time - len(fired) * draft_s
-            rule = {"source": source, "min_match": min_match, "min_tokens": min_tokens,
-                    "fired_share": len(fired) / len(steps), "lookup_accepted": lk, "draft_accepted": dm,
-                    "estimated_speedup": (tokens / time_s) / (base_tokens / base_time)}
-            rules.append(rule)
-            print(f"{source:6s} match>={min_match} tokens>={min_tokens}: fires {100 * rule['fired_share']:5.1f}% of steps, "
-                  f"accepted lookup {lk:.2f} vs draft {dm:.2f}, est. speedup over draft_model "
-                  f"{rule['estimated_speedup']:.3f}x", flush=True)
-if args.output_json:
-    with open(args.output_json, "w") as f:
-        json.dump({"args": vars(args), "steps": steps, "rules": rules, "verify_s": verify_s, "draft_s": draft_s,
-                   "wall_s": wall}, f, indent=1)
+
+def rule_table(steps: list[dict], costs: dict, k: int) -> list[dict]:
+    """Per rule "the lookup replaces the draft when it proposes >= L tokens from a match >= m":
+    how often it fires, both acceptances there, and a first-order speedup estimate (a fired step
+    emits the lookup's accepted + 1 tokens for a verification without the draft passes)."""
+    verify_s = statistics.median(costs["target_s"])
+    draft_s = statistics.median(costs["draft_s"])
+    draft_acc = [s["draft_acc"] for s in steps]
+    print(f"{len(steps)} verification steps; draft model K={k}: mean accepted {statistics.mean(draft_acc):.2f}; "
+          f"median verification {1e3 * verify_s:.0f} ms, median drafting {1e3 * draft_s:.0f} ms (loaded machine)")
+    base_tokens = sum(a + 1 for a in draft_acc)
+    base_time = len(steps) * (verify_s + draft_s)
+    rules = []
+    for source in ("lookup", "suffix"):
+        for min_match in ((1, 2, 3, 4, 6) if source == "lookup" else (0,)):
+            for min_tokens in (1, 2, 3, 4):
+                fired = [s for s in steps if s[f"{source}_n"] >= min_tokens and s["match"] >= min_match]
+                if not fired:
+                    continue
+                lk = statistics.mean(s[f"{source}_acc"] for s in fired)
+                dm = statistics.mean(s["draft_acc"] for s in fired)
+                tokens = base_tokens + sum(s[f"{source}_acc"] - s["draft_acc"] for s in fired)
+                time_s = base_time - len(fired) * draft_s
+                rule = {"source": "ngram" if source == "lookup" else "suffix", "min_match": min_match,
+                        "min_tokens": min_tokens, "fired_share": len(fired) / len(steps), "lookup_accepted": lk,
+                        "draft_accepted": dm, "estimated_speedup": (tokens / time_s) / (base_tokens / base_time)}
+                rules.append(rule)
+                print(f"{rule['source']:6s} match>={min_match} tokens>={min_tokens}: fires {100 * rule['fired_share']:5.1f}% "
+                      f"of steps, accepted lookup {lk:.2f} vs draft {dm:.2f}, est. speedup over draft_model "
+                      f"{rule['estimated_speedup']:.3f}x", flush=True)
+    return rules
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--target", default=f"{HOME}/downloads/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+    parser.add_argument("--tokenizer", default=f"{HOME}/models/Qwen2.5-Coder-1.5B-Instruct")
+    parser.add_argument("--draft", default=f"{HOME}/models/Qwen2.5-Coder-0.5B-Instruct")
+    parser.add_argument("--k", type=int, default=6)
+    parser.add_argument("--num-tasks", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args()
+    spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k, "quantization": "w4a8",
+            "draft_vocab_size": 49152}
+    llm = LLM(model=args.target, tokenizer=args.tokenizer, quantization="w4a8", num_threads=2, max_model_len=2048,
+              kv_cache_memory=256 << 20, speculative_config=spec)
+    records = []
+    llm.engine.add_step_observer(records.append)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, stop=STOP)
+    tasks = load_tasks("humaneval", args.num_tasks)
+    suffix = SuffixProposer(args.k)
+    llm.generate([tasks[0].prompt], params, use_tqdm=False)  # warm-up
+    steps, costs = [], {}
+    for task in tasks:
+        records.clear()
+        out = llm.generate([task.prompt], params, use_tqdm=False)[0]
+        steps += step_rows(task.task_id, list(out.prompt_token_ids), list(out.outputs[0].token_ids), records, suffix,
+                           args.k, costs)
+        print(task.task_id, len(out.outputs[0].token_ids), "tokens", flush=True)
+    rules = rule_table(steps, costs, args.k)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"args": vars(args), "steps": steps, "rules": rules}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

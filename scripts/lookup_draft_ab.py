@@ -11,7 +11,6 @@ draft-model pass was filled by the lookup; the next step's accepted count is tha
 """
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -19,9 +18,10 @@ import time
 
 from specdec import LLM, SamplingParams
 from specdec.bench.serve_tasks import STOP, load_tasks
+from specdec.spec_decode.suffix import SuffixProposer
 from specdec.worker.shared_weights import SharedWeights
+from lookup_acceptance import HOME, rule_table, step_rows  # noqa: E402 (this folder is on sys.path)
 
-HOME = os.path.expanduser("~/.cache/specdec")
 parser = argparse.ArgumentParser()
 parser.add_argument("--target", default=f"{HOME}/downloads/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
 parser.add_argument("--tokenizer", default=f"{HOME}/models/Qwen2.5-Coder-1.5B-Instruct")
@@ -62,8 +62,12 @@ def observer(name):
     return observe
 
 
+plain_records = []  # draft_model's steps of the task running: where would a lookup have fired?
 for name, llm in engines.items():
     llm.engine.add_step_observer(observer(name))
+engines["draft_model"].engine.add_step_observer(plain_records.append)
+suffix = SuffixProposer(int(args.k) if args.k != "auto" else 8)
+steps, costs = [], {}
 params = SamplingParams(temperature=0, max_tokens=args.max_tokens, stop=STOP)
 tasks = load_tasks("humaneval", args.num_tasks)
 for llm in engines.values():  # warm-up: kernels, caches, the first shapes
@@ -77,10 +81,15 @@ for i, task in enumerate(tasks):
     row = {"task": task.task_id}
     tokens = {}
     for name in order:
+        plain_records.clear()
         t0 = time.perf_counter()
         out = engines[name].generate([task.prompt], params, use_tqdm=False)[0].outputs[0]
         row[name + "_s"] = time.perf_counter() - t0
         tokens[name] = list(out.token_ids)
+        if name == "draft_model":
+            prompt_ids = engines[name].tokenizer.encode(task.prompt)
+            steps += step_rows(task.task_id, prompt_ids, tokens[name], plain_records, suffix, suffix.num_speculative_tokens,
+                               costs)
     row["num_tokens"] = len(tokens[names[0]])
     row["identical"] = tokens[names[0]] == tokens[names[1]]
     row["speedup"] = row["draft_model_s"] / row["draft_model_lookup_s"]
@@ -102,6 +111,8 @@ for name, llm in engines.items():
           f"lookup steps {s['lookup_steps']}/{s['steps']}, lookup accepted {s['lookup_accepted']}/{s['lookup_drafted']}")
 print(f"median per-task speedup {summary['median_speedup']:.3f}x, total {summary['total_speedup']:.3f}x, "
       f"tokens identical: {summary['all_identical']}")
+summary["lookup_rules"] = rule_table(steps, costs, suffix.num_speculative_tokens) if steps else []
+summary["steps"] = steps
 if args.output_json:
     with open(args.output_json, "w") as f:
         json.dump(summary, f, indent=1)
