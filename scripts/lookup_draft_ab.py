@@ -4,7 +4,7 @@ task), greedy, the serve-peers stop strings; end-to-end seconds per task, their 
 a check that both engines emit the same tokens.
 
     python scripts/lookup_draft_ab.py --num-tasks 16 --output-json lookup_ab.json
-    python scripts/lookup_draft_ab.py --prompt-lookup '{"min_match": 3, "min_tokens": 2}' --k 6
+    python scripts/lookup_draft_ab.py --prompt-lookup '{"source": "ngram", "min_match": 2, "min_tokens": 1}' --k 6
 
 Lookup steps are read from the public step records: at batch 1 a step whose drafts came with no
 draft-model pass was filled by the lookup; the next step's accepted count is that lookup's.
@@ -27,7 +27,7 @@ parser.add_argument("--target", default=f"{HOME}/downloads/qwen2.5-coder-1.5b-in
 parser.add_argument("--tokenizer", default=f"{HOME}/models/Qwen2.5-Coder-1.5B-Instruct")
 parser.add_argument("--draft", default=f"{HOME}/models/Qwen2.5-Coder-0.5B-Instruct")
 parser.add_argument("--k", default="6", help="num_speculative_tokens: an int or auto")
-parser.add_argument("--prompt-lookup", default='{"source": "ngram", "min_match": 3, "min_tokens": 2}')
+parser.add_argument("--prompt-lookup", default='{"source": "suffix", "min_tokens": 3}')
 parser.add_argument("--confidence", type=float, default=0.0, help="draft_confidence_threshold (both engines)")
 parser.add_argument("--num-tasks", type=int, default=16)
 parser.add_argument("--max-tokens", type=int, default=256)

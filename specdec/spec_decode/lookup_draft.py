@@ -1,8 +1,9 @@
 """Prompt lookup first, the draft model otherwise (method "draft_model_lookup").
 
-Per request and step, the context's own history is searched first (an n-gram match as in
-``ngram.py``, or the suffix proposer of ``suffix.py``); a request whose lookup proposes at least
-``min_tokens`` tokens, from a match of at least ``min_match`` tokens, verifies that proposal, and
+Per request and step, the context's own history is searched first (the suffix proposer of
+``suffix.py``, which also reads earlier requests' outputs, or an n-gram match as in ``ngram.py``
+of at least ``min_match`` tokens); a request whose lookup proposes at least ``min_tokens``
+tokens verifies that proposal, and
 only the other requests are drafted by the model (the draft model runs for those rows alone, or
 not at all). Where the continuation repeats the context (a code body reusing the identifiers of
 its signature and docstring, a repeated line), the lookup guesses it without a draft pass.
@@ -14,7 +15,7 @@ draft sampled it from, and at temperature 0 both accept exactly while the draft 
 target's argmax. A request the model skipped keeps its draft KV where it was; the next pass
 that drafts for it catches up on the tokens it missed in its first (ragged) pass.
 
-Example (``min_match`` 3, ``min_tokens`` 2): the context ``... for i in range(len(numbers)):
+Example (n-gram, ``min_match`` 3, ``min_tokens`` 2): the context ``... for i in range(len(numbers)):
 ... for j in range(len(`` ends with ``range(len(`` seen earlier, followed by ``numbers)):``:
 the lookup proposes ``numbers ) ) :`` and the draft model is not run for this request.
 """
@@ -34,12 +35,12 @@ LOOKUP_SOURCES = ("ngram", "suffix")
 @dataclass(frozen=True)
 class PromptLookupOptions:
     """``speculative_config.prompt_lookup`` of method "draft_model_lookup"."""
-    source: str = "ngram"  # "ngram": the request's own context; "suffix": also earlier requests' outputs
+    source: str = "suffix"  # "suffix": the request's context and earlier requests' outputs; "ngram": the context
     # "ngram": the fewest and the most tokens of the context's suffix matched earlier (the suffix
     # proposer sizes its drafts by its own match length)
     min_match: int = 3
     max_match: int = 8
-    min_tokens: int = 2  # a lookup proposing fewer tokens leaves the request to the draft model
+    min_tokens: int = 3  # a lookup proposing fewer tokens leaves the request to the draft model
 
     @classmethod
     def from_config(cls, value: dict | None) -> PromptLookupOptions:

@@ -46,11 +46,11 @@ def _generate(path: str, prompts: list[str], spec: dict | None, max_tokens: int 
 
 @pytest.mark.parametrize("extra", [
     {"num_speculative_tokens": 4},
-    {"num_speculative_tokens": 4, "prompt_lookup": {"min_match": 2, "min_tokens": 1}},
-    {"num_speculative_tokens": 4, "prompt_lookup": {"source": "suffix"}},
+    {"num_speculative_tokens": 4, "prompt_lookup": {"source": "ngram", "min_match": 2, "min_tokens": 1}},
+    {"num_speculative_tokens": 4, "prompt_lookup": {"source": "ngram", "min_match": 3, "min_tokens": 2}},
     {"num_speculative_tokens": "auto", "max_num_speculative_tokens": 5},
     {"num_speculative_tokens": 4, "draft_confidence_threshold": 0.3},
-], ids=["ngram", "ngram-short-matches", "suffix", "auto-k", "confidence"])
+], ids=["suffix", "ngram-short-matches", "ngram", "auto-k", "confidence"])
 def test_greedy_output_is_the_targets(llama_path, noisy_draft_path, lookup_counts, extra):
     expected, _ = _generate(llama_path, REPETITIVE, None)
     got, m = _generate(llama_path, REPETITIVE, {"method": "draft_model_lookup", "model": noisy_draft_path, **extra})
@@ -65,7 +65,8 @@ def test_lookup_and_model_share_a_step(llama_path, noisy_draft_path, lookup_coun
     prompts = REPETITIVE + ["Hello", "z", "The quick brown fox"]
     expected, _ = _generate(llama_path, prompts, None, max_tokens=12)
     got, _ = _generate(llama_path, prompts, {"method": "draft_model_lookup", "model": noisy_draft_path,
-                                             "num_speculative_tokens": 3}, max_tokens=12)
+                                             "num_speculative_tokens": 3,
+                                             "prompt_lookup": {"source": "ngram", "min_match": 2}}, max_tokens=12)
     assert got == expected
     assert any(looked and drafted for looked, drafted in lookup_counts)
 
@@ -113,7 +114,7 @@ def test_sampling_matches_the_exact_target_distribution(char_pair, lookup_counts
     llm = LLM(model=target, dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1000,
               max_num_batched_tokens=8192,
               speculative_config={"method": "draft_model_lookup", "model": draft, "num_speculative_tokens": K,
-                                  "prompt_lookup": {"min_match": 1, "min_tokens": 1}})
+                                  "prompt_lookup": {"source": "ngram", "min_match": 1, "min_tokens": 1}})
     vocab = llm.engine.vocab_size
     prompt_ids = llm.tokenizer.encode(PROMPT)
     counts = np.zeros((vocab,) * 3, dtype=np.int64)
