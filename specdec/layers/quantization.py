@@ -99,6 +99,13 @@ def bound_once(module: nn.Module, key: str, buffer: torch.Tensor, make):
     return value
 
 
+class _A8Plan(NamedTuple):
+    """How ``WeightOnlyLinear`` runs an int8-activation call of m rows: ``ops[min(m, len(ops) - 1)](x, *args)``."""
+    ops: tuple  # the op for a call of m rows at index m (one entry: every row count)
+    in_features: int
+    args: tuple  # the op's arguments after x: the weight's tensors, K, N, bias
+
+
 class _Bf16Plan(NamedTuple):
     """How ``Bf16WeightLinear`` runs a call: the bound kernel (None where it does not run) and the most
     inputs it takes (None: any number)."""
@@ -254,29 +261,23 @@ class WeightOnlyLinear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         return self.quantized_weight().dequantize(self.compute_dtype)
 
-    def _a8_call(self):
-        """``x -> a8_linear(x, ...weights..., bias)`` with the kernel's arguments gathered once
-        (per call they cost more Python than the kernel call itself at batch 1); re-made when the
-        buffers are new tensors (``.to()``, a copied module)."""
-        return bound_once(self, "_a8_cached", self._buffers["a8_layout"], self._make_a8_call)
-
-    def _make_a8_call(self):
+    def _make_a8_plan(self) -> _A8Plan:
+        """The kernel's op per row count and its arguments, gathered once per buffer tensor by
+        ``forward`` (per call they cost more Python than the kernel call itself at batch 1)."""
         weight, bias = self.a8_weight(), self.bias
         ops = woq_cpu.extension_a8() if self._buffers["a8_layout"].device.type == "cpu" else None
-        if ops is None:
-            return lambda x: woq_cpu.linear_a8(x, weight, bias)  # the reference off CPU
-        args = woq_cpu.a8_kernel_args(weight)
+        if ops is None:  # the reference off CPU
+            return _A8Plan((lambda x: woq_cpu.linear_a8(x, weight, bias),), self.in_features, ())
         # the variant measured fastest at each row count (AMX among them): the same values bit for bit
         by_rows = cpu_kernel_choice.a8_row_ops(self.int4)
         if len(set(by_rows)) == 1:
-            op = by_rows[0]
-            return lambda x: op(x, *args, bias)
-        last, k = len(by_rows) - 1, self.in_features
-        return lambda x: by_rows[min(x.numel() // k, last)](x, *args, bias)
+            by_rows = by_rows[:1]
+        return _A8Plan(tuple(by_rows), self.in_features, (*woq_cpu.a8_kernel_args(weight), bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
-            return self._a8_call()(x)
+            ops, in_features, args = bound_once(self, "_a8_cached", self._buffers["a8_layout"], self._make_a8_plan)
+            return ops[min(x.numel() // in_features, len(ops) - 1)](x, *args)
         elif x.device.type == "cpu":
             out = woq_cpu.linear(x, self.quantized_weight())
         else:
