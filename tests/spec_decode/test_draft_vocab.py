@@ -127,9 +127,14 @@ def test_greedy_chains_read_the_kept_columns_and_propose_what_the_full_width_doe
         proposer.narrow_greedy = narrow
         proposals, widened = [], []
         propose, widen = proposer.propose, proposer._widen
-        proposer.propose = lambda *a, **k: (lambda out: proposals.append(
-            (out.draft_token_ids, None if out.draft_probs is None else out.draft_probs.clone())) or out)(propose(*a, **k))
-        proposer._widen = lambda logits: widened.append(1) or widen(logits)
+
+        def recorded(*args, _propose=propose, _proposals=proposals, **kwargs):
+            out = _propose(*args, **kwargs)
+            _proposals.append((out.draft_token_ids, None if out.draft_probs is None else out.draft_probs.clone()))
+            return out
+
+        proposer.propose = recorded
+        proposer._widen = lambda logits, _widen=widen, _widened=widened: _widened.append(1) or _widen(logits)
         outputs = [o.outputs[0].token_ids for o in llm.generate(chosen, params, use_tqdm=False)]
         runs.append((outputs, proposals, len(widened)))
     (narrow_out, narrow_props, narrow_widened), (full_out, full_props, full_widened) = runs
