@@ -13,6 +13,9 @@ MAX_TREE_TOPK = 8
 MAX_TREE_NODES = 64
 # "w8a8" / "w4a8": the int8 / int4 weights of "int8" / "int4" with int8 activations (CPU: VNNI or AVX2)
 QUANTIZATION_METHODS = (None, "int8", "int4", "w8a8", "w4a8", "int8_dynamic", "fp8")
+# a draft's LM head format (``draft_lm_head_quantization``), for a draft in one of the integer formats
+DRAFT_LM_HEAD_QUANTIZATIONS = ("int8", "int4")
+INTEGER_QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")
 ATTENTION_BACKENDS = ("auto", "reference", "torch", "rows", "triton")
 
 
@@ -26,6 +29,10 @@ class SpeculativeConfig:
     max_num_speculative_tokens: int = 8  # the ceiling for "auto"
     dtype: str = "auto"  # the draft's own dtype ("auto": the target's)
     quantization: str | None = None  # one of QUANTIZATION_METHODS, for the draft
+    # the draft's own LM head (methods "draft_model", "eagle3"; an integer ``quantization``): "int8" or
+    # "int4" weights; None: the draft's weight format (int4 for "int4" / "w4a8", int8 for "int8" / "w8a8").
+    # The target verifies every draft, so the head's format trades draft speed against acceptance only
+    draft_lm_head_quantization: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     acceptance: float = 0.8  # "replay" (benchmark only, ``specdec.bench.replay``): probability a proposed token is kept
@@ -74,6 +81,7 @@ class SpeculativeConfig:
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"speculative_config.quantization must be one of {QUANTIZATION_METHODS}, "
                              f"got {self.quantization!r}")
+        self._check_draft_lm_head(method)
         if not isinstance(self.tree_topk, int) or not 1 <= self.tree_topk <= MAX_TREE_TOPK:
             raise ValueError(f"speculative_config.tree_topk must be in 1..{MAX_TREE_TOPK}, got {self.tree_topk!r}")
         if self.tree_nodes is not None and (not isinstance(self.tree_nodes, int)
@@ -95,6 +103,21 @@ class SpeculativeConfig:
                              f"{_either(n for n, m in registered_methods().items() if m.supports_prompt_lookup)}, "
                              f"got {self.method!r}")
         method.validate(self)
+
+    def _check_draft_lm_head(self, method) -> None:
+        head = self.draft_lm_head_quantization
+        if head is None:
+            return
+        if head not in DRAFT_LM_HEAD_QUANTIZATIONS:
+            raise ValueError(f"speculative_config.draft_lm_head_quantization must be one of "
+                             f"{DRAFT_LM_HEAD_QUANTIZATIONS} or None, got {head!r}")
+        if not method.own_lm_head:
+            raise ValueError(f"speculative_config.draft_lm_head_quantization applies to method "
+                             f"{_either(n for n, m in registered_methods().items() if m.own_lm_head)} (a draft "
+                             f"with its own LM head), got {self.method!r}")
+        if self.quantization not in INTEGER_QUANTIZATIONS:
+            raise ValueError(f"speculative_config.draft_lm_head_quantization needs speculative_config.quantization "
+                             f"one of {INTEGER_QUANTIZATIONS} (the draft's weights), got {self.quantization!r}")
 
     @property
     def is_adaptive(self) -> bool:

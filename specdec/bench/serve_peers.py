@@ -3,7 +3,8 @@
 
 Three servers run side by side, each on its own loopback port, one request at a time (batch 1):
 - ``specdec``: the target GGUF with ``--quantization`` and ``--speculative-config`` (default: the best
-  lossless configuration of ``bench peers``: w4a8 target, w4a8 0.5B draft with a 49k-token head, K=6);
+  lossless configuration of ``bench peers``: w4a8 target, w4a8 0.5B draft with a 49k-token head, K=6,
+  a chain stopped where the draft's top probability is below 0.4);
 - ``specdec-plain``: the same target and quantization without speculation, the greedy reference:
   specdec's speculative answers must equal its answers token for token;
 - ``llama-server`` on the same GGUF with ``--llama-server-args`` (default ``--no-repack``: the AMX
@@ -42,7 +43,7 @@ from specdec.bench.serve_timings import llama_timings, render_timings, scrape, s
 
 SPECDEC, PLAIN, LLAMA = "specdec", "specdec-plain", "llama-server"
 BEST_SPECULATIVE = {"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 6,
-                    "quantization": "w4a8", "draft_vocab_size": 49152}
+                    "quantization": "w4a8", "draft_vocab_size": 49152, "draft_confidence_threshold": 0.4}
 APIS = {"completions": 256, "chat": 512}  # the API and its default max_tokens
 # the untimed first request of each server (kernel choice, graph shapes): no task's prompt, so that
 # no prompt cache holds a task before its timed request

@@ -138,9 +138,10 @@ class AttentionBackend:
     # sliding_window, sinks, softcap (the module docstring), passed only by layers that set them
     attend: Callable
     # optional, all three in one call from the fused QKV output [T, (H + 2 Hkv) D] (rotary
-    # included): (qkv, cos, sin, kv_cache, meta, scale, num_heads) -> [T, H, D], or None where it
-    # does not apply (the caller then runs rotary, write_kv and attend)
-    qkv_attend: Callable | None = None
+    # included), bound once per layer: (scale, num_heads, **options) -> a callable (qkv, cos, sin,
+    # kv_cache, meta) -> [T, H, D], or None where it does not apply (the caller then runs rotary,
+    # write_kv and attend)
+    bind_qkv_attend: Callable | None = None
 
 
 def write_kv_cache(

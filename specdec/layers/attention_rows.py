@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.kernels.cpu.attention_rows import MAX_HEAD_DIM, attention_rows, extension
-from specdec.kernels.cpu.attention_rows import qkv_attention_rows as qkv_attention_rows_kernel
+from specdec.kernels.cpu.attention_rows import MAX_HEAD_DIM, attention_rows, extension, qkv_applies
 from specdec.layers.attention import AttentionBackend, AttentionMetadata, paged_attention_torch, write_kv_cache
 
 
@@ -54,10 +53,14 @@ def _options(meta: AttentionMetadata, sliding_window: int | None, sinks: torch.T
              softcap: float | None) -> tuple:
     """The kernel's (window, sinks, softcap) arguments: 0 / None / 0 for an option not set."""
     if sliding_window is not None and meta.tree_masks is not None:
-        depth = max((int(tree[1].sum(-1).max()) for tree in meta.tree_masks if tree is not None), default=0)
-        if depth > sliding_window:
-            raise ValueError(f"a token tree of depth {depth} exceeds the sliding window of {sliding_window} positions")
+        _check_tree_depth(meta, sliding_window)
     return (sliding_window or 0, None if sinks is None else sinks.float(), float(softcap or 0.0))
+
+
+def _check_tree_depth(meta: AttentionMetadata, sliding_window: int) -> None:
+    depth = max((int(tree[1].sum(-1).max()) for tree in meta.tree_masks if tree is not None), default=0)
+    if depth > sliding_window:
+        raise ValueError(f"a token tree of depth {depth} exceeds the sliding window of {sliding_window} positions")
 
 
 def paged_attention_rows(
@@ -88,12 +91,38 @@ def qkv_attention_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
                        sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor | None:
     """Rotary, KV-cache write and ``paged_attention_rows`` in one kernel call from the fused QKV
     projection's output [T, (H + 2 Hkv) D] -> [T, H, D]; None where the kernel does not apply."""
-    if qkv.device.type != "cpu" or qkv.dtype != torch.float32 or kv_cache.dtype != torch.float32 \
-            or kv_cache.shape[-1] > MAX_HEAD_DIM or extension() is None:
-        return None
-    return qkv_attention_rows_kernel(qkv, cos, sin, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                     meta.query_start_loc, scale, num_heads, *_tree_inputs(meta),
-                                     *_options(meta, sliding_window, sinks, softcap))
+    attend = bind_qkv_attention_rows(scale, num_heads, sliding_window=sliding_window, sinks=sinks, softcap=softcap)
+    return attend(qkv, cos, sin, kv_cache, meta)
 
 
-ROWS_BACKEND = AttentionBackend("rows", write_kv_cache, paged_attention_rows, qkv_attention_rows)
+def _not_applicable(*args) -> None:
+    return None
+
+
+def bind_qkv_attention_rows(scale: float, num_heads: int, *, sliding_window: int | None = None,
+                            sinks: torch.Tensor | None = None, softcap: float | None = None):
+    """``qkv_attention_rows`` for one layer: ``(qkv, cos, sin, kv_cache, meta) -> [T, H, D] or None``
+    with the kernel op and the layer's constants found once (the kernel reads ``sinks`` when it runs,
+    so a later in-place load of its values is seen). Per call: the checks on the call's tensors and
+    the step's metadata only."""
+    ops = extension()
+    if ops is None:
+        return _not_applicable
+    op = ops.qkv_attention_rows.default
+    window, cap = sliding_window or 0, float(softcap or 0.0)
+
+    def attend(qkv, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor | None:
+        if not qkv_applies(qkv, cos, kv_cache):
+            return None
+        tree_base = tree_mask = None
+        if meta.tree_masks is not None:
+            tree_base, tree_mask = _tree_inputs(meta)
+            if sliding_window is not None:
+                _check_tree_depth(meta, sliding_window)
+        return op(qkv, cos, sin, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                  scale, num_heads, tree_base, tree_mask, window, sinks, cap)
+
+    return attend
+
+
+ROWS_BACKEND = AttentionBackend("rows", write_kv_cache, paged_attention_rows, bind_qkv_attention_rows)

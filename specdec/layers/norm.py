@@ -27,11 +27,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        fused = x.shape[-1] == self.weight.shape[0] and cpu_ops.usable(x, self.weight)
+        weight = self.weight
+        ops = cpu_ops.ops_for(x, weight) if x.shape[-1] == weight.shape[0] else None  # the fused ops
         if residual is None:
-            return cpu_ops.extension().rms_norm(x, self.weight, self.eps) if fused else self._norm(x)
-        if fused and residual.dtype == torch.float32:
-            out, residual = cpu_ops.extension().add_rms_norm(x, residual, self.weight, self.eps)
+            return ops.rms_norm(x, weight, self.eps) if ops is not None else self._norm(x)
+        if ops is not None and residual.dtype == torch.float32:
+            out, residual = ops.add_rms_norm(x, residual, weight, self.eps)  # a list: returned as a tuple
             return out, residual
         residual = x + residual
         return self._norm(residual), residual

@@ -99,6 +99,13 @@ def bound_once(module: nn.Module, key: str, buffer: torch.Tensor, make):
     return value
 
 
+class _A8Plan(NamedTuple):
+    """How ``WeightOnlyLinear`` runs an int8-activation call of m rows: ``ops[min(m, len(ops) - 1)](x, *args)``."""
+    ops: tuple  # the op for a call of m rows at index m (one entry: every row count)
+    in_features: int
+    args: tuple  # the op's arguments after x: the weight's tensors, K, N, bias
+
+
 class _Bf16Plan(NamedTuple):
     """How ``Bf16WeightLinear`` runs a call: the bound kernel (None where it does not run) and the most
     inputs it takes (None: any number)."""
@@ -254,29 +261,23 @@ class WeightOnlyLinear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         return self.quantized_weight().dequantize(self.compute_dtype)
 
-    def _a8_call(self):
-        """``x -> a8_linear(x, ...weights..., bias)`` with the kernel's arguments gathered once
-        (per call they cost more Python than the kernel call itself at batch 1); re-made when the
-        buffers are new tensors (``.to()``, a copied module)."""
-        return bound_once(self, "_a8_cached", self._buffers["a8_layout"], self._make_a8_call)
-
-    def _make_a8_call(self):
+    def _make_a8_plan(self) -> _A8Plan:
+        """The kernel's op per row count and its arguments, gathered once per buffer tensor by
+        ``forward`` (per call they cost more Python than the kernel call itself at batch 1)."""
         weight, bias = self.a8_weight(), self.bias
         ops = woq_cpu.extension_a8() if self._buffers["a8_layout"].device.type == "cpu" else None
-        if ops is None:
-            return lambda x: woq_cpu.linear_a8(x, weight, bias)  # the reference off CPU
-        args = woq_cpu.a8_kernel_args(weight)
+        if ops is None:  # the reference off CPU
+            return _A8Plan((lambda x: woq_cpu.linear_a8(x, weight, bias),), self.in_features, ())
         # the variant measured fastest at each row count (AMX among them): the same values bit for bit
         by_rows = cpu_kernel_choice.a8_row_ops(self.int4)
         if len(set(by_rows)) == 1:
-            op = by_rows[0]
-            return lambda x: op(x, *args, bias)
-        last, k = len(by_rows) - 1, self.in_features
-        return lambda x: by_rows[min(x.numel() // k, last)](x, *args, bias)
+            by_rows = by_rows[:1]
+        return _A8Plan(tuple(by_rows), self.in_features, (*woq_cpu.a8_kernel_args(weight), bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
-            return self._a8_call()(x)
+            ops, in_features, args = bound_once(self, "_a8_cached", self._buffers["a8_layout"], self._make_a8_plan)
+            return ops[min(x.numel() // in_features, len(ops) - 1)](x, *args)
         elif x.device.type == "cpu":
             out = woq_cpu.linear(x, self.quantized_weight())
         else:
@@ -366,7 +367,28 @@ QUANTIZATIONS = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear, "w4
                  "int8_dynamic": DynamicInt8Linear, "fp8": Fp8Linear}
 # int4 keeps the LM head at int8, as llama.cpp's Q4 mixes keep output.weight at 6-8 bits
 _LM_HEAD_QUANTIZATION = {"int4": Int8Linear, "w4a8": W8A8Linear}
+# an LM head in a chosen weight format ("int8" / "int4"), with the int8 activations of its model's
+# format where it has them: (head format, int8 activations) -> layer
+_LM_HEAD_FORMATS = {("int8", False): Int8Linear, ("int4", False): Int4Linear,
+                    ("int8", True): W8A8Linear, ("int4", True): W4A8Linear}
+LM_HEAD_QUANTIZATIONS = ("int8", "int4")
+# the formats whose LM head may take either of LM_HEAD_QUANTIZATIONS
+INTEGER_QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")
 _CPU_ONLY = ("int8_dynamic", "w8a8", "w4a8")
+
+
+def lm_head_linear(quantization: str | None, lm_head_quantization: str | None = None):
+    """The constructor of a model's LM head under ``quantization``: ``lm_head_quantization``'s weight
+    format ("int8" / "int4") where given, else the format's default (None: the body's own layer)."""
+    if lm_head_quantization is None:
+        return _LM_HEAD_QUANTIZATION.get(quantization)
+    if lm_head_quantization not in LM_HEAD_QUANTIZATIONS:
+        raise ValueError(f"lm_head_quantization must be None or one of {LM_HEAD_QUANTIZATIONS}, "
+                         f"got {lm_head_quantization!r}")
+    if quantization not in INTEGER_QUANTIZATIONS:
+        raise ValueError(f"lm_head_quantization {lm_head_quantization!r} needs quantization one of "
+                         f"{INTEGER_QUANTIZATIONS}, got {quantization!r}")
+    return _LM_HEAD_FORMATS[(lm_head_quantization, quantization in ("w8a8", "w4a8"))]
 
 
 def _replace_linears(module: nn.Module, make, lm_head_make=None, prefix: str = "") -> None:
@@ -393,23 +415,25 @@ def _with_int8_activations(module: nn.Module) -> None:
 
 
 def prepare_for_inference(model: nn.Module, quantization: str | None, device: torch.device,
-                          bf16_weights: str | None = None) -> nn.Module:
+                          bf16_weights: str | None = None, lm_head_quantization: str | None = None) -> nn.Module:
     """Swap linears for their fast inference form. Tied embeddings keep the original weight.
     Layers already quantized (a GGUF's kept weights) keep their weights; ``w8a8`` / ``w4a8`` give
     them int8 activations. ``bf16_weights`` (a float32 model on CPU, no quantization): ``"exact"``
     keeps in bf16 the linears bf16 holds exactly, ``"round"`` rounds every linear to bf16
     (``Bf16WeightLinear``); given a bf16 model, its linears keep their bf16 weights and the rest is
     widened to float32 (``widen_to_float32``): a float32 model without a float32 copy of the weights
-    ever being made."""
+    ever being made. ``lm_head_quantization`` (an integer ``quantization`` only): the LM head's weight
+    format, "int8" or "int4" (``lm_head_linear``; None: int8 for int4 / w4a8)."""
     dtype = next(model.parameters()).dtype
     if quantization is None and device.type == "cuda":  # float experts: the Triton fused-MoE kernel
         from specdec.layers.moe import fuse_experts
 
         fuse_experts(model)
+    make_lm_head = lm_head_linear(quantization, lm_head_quantization)  # raises where it cannot apply
     if quantization in QUANTIZATIONS:
         if quantization in _CPU_ONLY and device.type != "cpu":
             raise ValueError(f"quantization {quantization!r} runs on CPU only; use 'int8' / 'int4' on GPUs")
-        _replace_linears(model, QUANTIZATIONS[quantization], _LM_HEAD_QUANTIZATION.get(quantization))
+        _replace_linears(model, QUANTIZATIONS[quantization], make_lm_head)
         if quantization in ("w8a8", "w4a8"):
             _with_int8_activations(model)
             if device.type == "cpu":  # mixture-of-experts layers: one C++ call per layer

@@ -93,17 +93,31 @@ class Attention(nn.Module):
             opts["softcap"] = self.softcap
         return opts
 
+    def fused_attend(self):
+        """The backend's one-call attention from the fused QKV output with this layer's scale, heads
+        and options bound (``AttentionBackend.bind_qkv_attend``), or None where the backend has none
+        or the layer normalises q / k or rotates part of a head. Bound on first use and again when
+        the backend, the sinks tensor or the head count (tensor parallelism) is another."""
+        backend, sinks, num_heads = self.backend, self.sinks, self.num_heads
+        bound = self.__dict__.get("_fused_attend")
+        if bound is None or bound[0] is not backend or bound[1] is not sinks or bound[2] != num_heads:
+            fused = backend.bind_qkv_attend is not None and self.q_norm is None and self.rotary_dim == self.head_dim
+            attend = backend.bind_qkv_attend(self.scale, num_heads, **self.options()) if fused else None
+            bound = self.__dict__["_fused_attend"] = (backend, sinks, num_heads, attend)
+        return bound[3]
+
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """rope: the (cos, sin) rows of this step's positions, from ``RotaryEmbedding.lookup``."""
         qkv = self.qkv_proj(hidden)
-        opts = self.options()
         if getattr(meta, "window_views", None):  # a hybrid model: this layer's KV cache group
             meta = meta.for_window(self.sliding_window)
-        if self.q_norm is None and self.backend.qkv_attend is not None and self.rotary_dim == self.head_dim:
+        attend = self.fused_attend()
+        if attend is not None:
             with profile_range("attention"):
-                out = self.backend.qkv_attend(qkv, *rope, kv_cache, meta, self.scale, self.num_heads, **opts)
+                out = attend(qkv, *rope, kv_cache, meta)
             if out is not None:
                 return self.o_proj(out.view(-1, self.q_size))
+        opts = self.options()
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is None:
@@ -138,8 +152,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if cpu_ops.usable(gate_up) and gate_up.stride(-1) == 1:  # one fused op (``cpu_ops``)
-            return self.down_proj(cpu_ops.extension().silu_mul(gate_up))
+        ops = cpu_ops.ops_for(gate_up)
+        if ops is not None and gate_up.stride(-1) == 1:  # one fused op
+            return self.down_proj(ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -44,6 +44,10 @@ class DraftModelProposer(Proposer):
         self.vocab_size = target_vocab_size
         # [n] target ids of the draft's logit columns when its LM head keeps only those (draft_vocab.py)
         self.draft_vocab = None if draft_vocab is None else draft_vocab.to(runner.device)
+        # with ascending ids, a greedy chain reads its argmax and confidence on the n columns and maps
+        # the token through ``draft_vocab``: the same token (ties go to the lowest id either way)
+        # without a [N, target vocab] tensor per pass; sampling and grammar masks read the full width
+        self.narrow_greedy = draft_vocab is not None and bool((draft_vocab[1:] > draft_vocab[:-1]).all())
         self.tree_topk = tree_topk
         self.tree_depth = tree_depth
         self.tree_nodes = tree_nodes
@@ -53,17 +57,25 @@ class DraftModelProposer(Proposer):
 
     def _forward(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits [N, target vocab], the pass's hidden states [T, H]: read by EAGLE's next pass only)."""
-        logits, hidden = self.runner.forward_with_hidden(batch, need_hidden=self.needs_target_hidden)
+        logits, hidden = self._forward_columns(batch)
+        return self._widen(logits), hidden
+
+    def _forward_columns(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As ``_forward``, with the logits over the draft's own columns [N, n] (``draft_vocab``)."""
+        return self.runner.forward_with_hidden(batch, need_hidden=self.needs_target_hidden)
+
+    def _widen(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits [N, its columns] over the target's vocabulary [N, target vocab]."""
         if self.draft_vocab is not None:  # -inf outside the draft vocabulary: never drafted, q = 0 there
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-            return full.index_copy_(1, self.draft_vocab, logits), hidden
+            return full.index_copy_(1, self.draft_vocab, logits)
         v = logits.shape[-1]
         if v > self.vocab_size:  # draft vocab padded beyond the target's
-            return logits[:, : self.vocab_size], hidden
+            return logits[:, : self.vocab_size]
         if v < self.vocab_size:
             pad = logits.new_full((logits.shape[0], self.vocab_size - v), float("-inf"))
-            return torch.cat([logits, pad], dim=1), hidden
-        return logits, hidden
+            return torch.cat([logits, pad], dim=1)
+        return logits
 
     def propose(self, requests: list[CachedRequestState], num_spec: list[int],
                 tree_budget: TreeBudget | None = None, grammar=None, target: TargetStates | None = None
@@ -96,13 +108,18 @@ class DraftModelProposer(Proposer):
                     break
                 batch = self._next_batch(reqs, rows, prev_rows, [tokens_per_pass[-1][j] for j in rows], step,
                                          block_tables, predicted)
-            logits, hidden = self._forward(batch)  # [len(rows), V]
+            sub = meta if meta is None or len(rows) == len(reqs) else \
+                meta.expand([int(j in rows) for j in range(len(reqs))])
+            narrow = self.narrow_greedy and not constrained and (sub is None or sub.all_greedy)
+            logits, hidden = self._forward_columns(batch)
+            if not narrow:
+                logits = self._widen(logits)  # [len(rows), V]
             predicted = self._pass_hidden(batch, hidden)
             if constrained:
                 grammar.mask_draft_rows(logits, [cursors[j] for j in rows], [greedy[j] for j in rows])
-            sub = meta if meta is None or len(rows) == len(reqs) else \
-                meta.expand([int(j in rows) for j in range(len(reqs))])
-            if sub is None or sub.all_greedy:
+            if narrow:  # the draft's columns [len(rows), n]
+                q, tok = None, self.draft_vocab[logits.argmax(dim=-1)]
+            elif sub is None or sub.all_greedy:
                 q, tok = None, logits.argmax(dim=-1)
             else:
                 q = processed_probs(logits, sub)

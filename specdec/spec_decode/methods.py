@@ -91,6 +91,7 @@ class SpecMethod:
     graph_capturable: bool = True  # its steps can run in CUDA/HIP graphs
     validate: Callable[[SpeculativeConfig], None] = _no_checks
     draft_kv_cache: bool = False  # its draft keeps a paged KV cache beside the target's (block tables shared)
+    own_lm_head: bool = False  # its draft has an LM head of its own (draft_lm_head_quantization sets its format)
     # files only, before any weights load: raises if the draft cannot serve this target; returns the
     # draft model's config (its position limit caps max_model_len, its windows the KV freed) or None
     check_draft: Callable[[SpeculativeConfig, Any, Any], Any] = _no_draft_config
@@ -157,6 +158,17 @@ def _draft_dtype(spec: SpeculativeConfig, target: WeightPlan, device):
     from specdec.worker.device import resolve_dtype
 
     return target.compute_dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, device)
+
+
+def draft_lm_head_quantization(spec: SpeculativeConfig, quantization: str | None) -> str | None:
+    """The weight format of a draft's own LM head when the draft's linears are ``quantization``:
+    ``spec.draft_lm_head_quantization``, else the draft's own format (int4 for "int4" / "w4a8", int8
+    for "int8" / "w8a8"; None for the others: their head is as the body). A draft never changes the
+    output (the target verifies it), so unlike a target's head, kept at int8 for its logits' sake, a
+    draft's head is one more layer to stream each pass."""
+    if spec.draft_lm_head_quantization is not None:
+        return spec.draft_lm_head_quantization
+    return {"int4": "int4", "w4a8": "int4", "int8": "int8", "w8a8": "int8"}.get(quantization)
 
 
 def _validate_draft_model(spec: SpeculativeConfig) -> None:
@@ -239,7 +251,8 @@ def _load_draft_model(load: DraftLoad) -> DraftParts:
         draft_vocab = bridge.target_ids
     elif spec.draft_vocab_size is not None or spec.draft_vocab is not None:
         draft_vocab = _restrict_draft_vocab(spec, model, draft_path, min(draft_cfg.vocab_size, load.vocab_size))
-    model = prepare_for_inference(model, weights.quantization, load.device, weights.bf16_weights)
+    model = prepare_for_inference(model, weights.quantization, load.device, weights.bf16_weights,
+                                  draft_lm_head_quantization(spec, weights.quantization))
     return DraftParts(model, weights.compute_dtype,
                       ModelRunner.kv_bytes_per_block(draft_cfg, load.cfg.block_size, weights.compute_dtype),
                       draft_vocab=draft_vocab, vocab_bridge=bridge)
@@ -298,8 +311,9 @@ def _head_parts(load: DraftLoad, head, aux_layers: tuple[int, ...] = ()) -> Draf
     from specdec.layers.quantization import prepare_for_inference
     from specdec.worker.model_runner import ModelRunner
 
-    dtype = load.weights.compute_dtype
-    head = prepare_for_inference(head, load.weights.quantization, load.device)
+    dtype, quantization = load.weights.compute_dtype, load.weights.quantization
+    head = prepare_for_inference(head, quantization, load.device,
+                                 lm_head_quantization=draft_lm_head_quantization(load.spec, quantization))
     return DraftParts(head, dtype, ModelRunner.kv_bytes_per_block(head.config, load.cfg.block_size, dtype),
                       aux_layers)
 
@@ -349,7 +363,7 @@ def _build_suffix(spec, runner, vocab_size, parts: DraftParts):
 
 _MODEL_DRAFT = dict(needs_model=True, has_draft_model=True, supports_tree=True, draft_kv_cache=True)
 register_method(SpecMethod("draft_model", _build_draft_model, **_MODEL_DRAFT, supports_draft_vocab=True,
-                           validate=_validate_draft_model, check_draft=_check_draft_model,
+                           own_lm_head=True, validate=_validate_draft_model, check_draft=_check_draft_model,
                            plan_draft=_plan_draft_model, load=_load_draft_model))
 # the target's per-batch-size graphs return the hidden states an EAGLE head reads and the head's passes
 # after the first replay graphs fed its features (ModelRunner.enable_graphs(feature_size=), tested on
@@ -357,7 +371,7 @@ register_method(SpecMethod("draft_model", _build_draft_model, **_MODEL_DRAFT, su
 register_method(SpecMethod("eagle", _build_eagle, **_MODEL_DRAFT, needs_target_hidden=True, graph_capturable=False,
                            plan_draft=_plan_head, load=_load_eagle))
 register_method(SpecMethod("eagle3", _build_eagle3, **_MODEL_DRAFT, needs_target_hidden=True, graph_capturable=False,
-                           plan_draft=_plan_head, load=_load_eagle3))
+                           own_lm_head=True, plan_draft=_plan_head, load=_load_eagle3))
 register_method(SpecMethod("ngram", _build_ngram, validate=_validate_ngram))
 register_method(SpecMethod("suffix", _build_suffix))
 

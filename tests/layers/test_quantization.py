@@ -166,6 +166,28 @@ def test_prepare_for_inference_int4_keeps_the_lm_head_at_int8():
         prepare_for_inference(nn.Sequential(nn.Linear(2, 2)), "int3", torch.device("cpu"))
 
 
+@pytest.mark.parametrize("quantization", ["int4", "w4a8", "int8", "w8a8"])
+@pytest.mark.parametrize("head", ["int8", "int4"])
+def test_prepare_for_inference_gives_the_lm_head_the_asked_format(quantization, head):
+    model = nn.Module()
+    model.layers = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128))
+    model.lm_head = nn.Linear(128, 50)
+    prepare_for_inference(model, quantization, torch.device("cpu"), lm_head_quantization=head)
+    assert all(layer.int4 == (quantization in ("int4", "w4a8")) for layer in model.layers)
+    assert isinstance(model.lm_head, WeightOnlyLinear) and model.lm_head.int4 == (head == "int4")
+    # the head keeps the body's activations: int8 with w8a8 / w4a8 (where the kernel takes the shape)
+    assert model.lm_head.int8_activations == model.layers[0].int8_activations
+
+
+def test_an_lm_head_format_without_an_integer_quantization_is_refused():
+    for quantization in (None, "fp8", "int8_dynamic"):
+        with pytest.raises(ValueError, match="lm_head_quantization 'int4' needs quantization one of"):
+            prepare_for_inference(nn.Sequential(nn.Linear(64, 64)), quantization, torch.device("cpu"),
+                                  lm_head_quantization="int4")
+    with pytest.raises(ValueError, match="lm_head_quantization must be None or one of"):
+        prepare_for_inference(nn.Sequential(nn.Linear(64, 64)), "int4", torch.device("cpu"), lm_head_quantization="q4")
+
+
 def test_rms_norm_fused_matches_reference():
     torch.manual_seed(0)
     norm = RMSNorm(32, eps=1e-6)

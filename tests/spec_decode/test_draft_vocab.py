@@ -104,3 +104,47 @@ def test_speculation_with_a_draft_vocabulary_equals_plain_decoding(llama_path, n
     assert spec_tokens == plain_tokens
     assert llm.get_metrics()["num_accepted_tokens"] > 0
     assert drafted and set(drafted) <= set(keep) | set(tok.all_special_ids)
+
+
+@pytest.mark.parametrize("temperatures", [(0.0,), (0.0, 0.8)], ids=["greedy", "greedy-and-sampled"])
+def test_greedy_chains_read_the_kept_columns_and_propose_what_the_full_width_does(
+        llama_path, noisy_draft_path, prompts, tmp_path, temperatures):
+    """A greedy chain takes its argmax and confidence test on the draft's own columns (no
+    [N, target vocab] tensor); every proposal, drafts and q, equals the full-width path's."""
+    chosen = prompts[:4]
+    vocab = LLM(model=llama_path, **ENGINE).engine.vocab_size
+    hot = tmp_path / "hot.json"
+    hot.write_text(json.dumps(list(range(0, vocab, 2))))
+    spec = {"method": "draft_model", "model": noisy_draft_path, "num_speculative_tokens": 3, "draft_vocab": str(hot),
+            "draft_vocab_size": vocab // 2, "draft_confidence_threshold": 0.2}
+    params = [SamplingParams(temperature=temperatures[i % len(temperatures)], seed=i, max_tokens=12, ignore_eos=True)
+              for i in range(len(chosen))]
+    runs = []
+    for narrow in (True, False):
+        llm = LLM(model=llama_path, **ENGINE, seed=0, speculative_config=spec)
+        proposer = llm.engine.executor.driver_worker.proposer
+        assert proposer.narrow_greedy  # ascending kept ids
+        proposer.narrow_greedy = narrow
+        proposals, widened = [], []
+        propose, widen = proposer.propose, proposer._widen
+
+        def recorded(*args, _propose=propose, _proposals=proposals, **kwargs):
+            out = _propose(*args, **kwargs)
+            _proposals.append((out.draft_token_ids, None if out.draft_probs is None else out.draft_probs.clone()))
+            return out
+
+        proposer.propose = recorded
+        proposer._widen = lambda logits, _widen=widen, _widened=widened: _widened.append(1) or _widen(logits)
+        outputs = [o.outputs[0].token_ids for o in llm.generate(chosen, params, use_tqdm=False)]
+        runs.append((outputs, proposals, len(widened)))
+    (narrow_out, narrow_props, narrow_widened), (full_out, full_props, full_widened) = runs
+    assert narrow_out == full_out
+    assert len(narrow_props) == len(full_props) and any(any(d) for d, _ in narrow_props)
+    for (drafts, q), (full_drafts, full_q) in zip(narrow_props, full_props):
+        assert drafts == full_drafts
+        assert (q is None and full_q is None) or torch.equal(q, full_q)
+    assert full_widened > 0
+    if len(temperatures) == 1:  # all greedy: no pass built the full width
+        assert narrow_widened == 0
+    else:  # sampled rows need q over the target's vocabulary
+        assert any(q is not None for _, q in narrow_props) and narrow_widened > 0

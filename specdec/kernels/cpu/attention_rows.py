@@ -76,9 +76,15 @@ def qkv_attention_rows(
     softcap: float,
 ) -> torch.Tensor | None:  # [T, H, D], or None where the kernel does not apply
     """Rotary, KV-cache write and ``attention_rows`` in one kernel call."""
-    ops = extension() if qkv.device.type == "cpu" else None
-    if ops is None or qkv.dtype != torch.float32 or kv_cache.dtype != torch.float32 \
-            or kv_cache.shape[-1] > MAX_HEAD_DIM or cos.dtype != torch.float32 or qkv.dim() != 2 or qkv.stride(1) != 1:
+    ops = extension() if qkv.is_cpu else None
+    if ops is None or not qkv_applies(qkv, cos, kv_cache):
         return None
     return ops.qkv_attention_rows(qkv, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
                                   scale, num_heads, tree_base, tree_mask, sliding_window, sinks, softcap)
+
+
+def qkv_applies(qkv: torch.Tensor, cos: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether ``qkv_attention_rows`` takes these tensors (with the kernel built): float32 on the CPU,
+    [T, (H + 2 Hkv) D] with unit stride along a row, head_dim <= ``MAX_HEAD_DIM``."""
+    return (qkv.dtype == torch.float32 and qkv.is_cpu and kv_cache.dtype == torch.float32 and cos.dtype == torch.float32
+            and qkv.dim() == 2 and qkv.stride(1) == 1 and kv_cache.shape[-1] <= MAX_HEAD_DIM)

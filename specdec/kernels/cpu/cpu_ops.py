@@ -10,6 +10,7 @@ the tests hold these to.
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -26,10 +27,30 @@ def extension():
                               fallback="using the torch forms")
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the fused ops take these tensors (float32, CPU, no autograd)."""
+class FusedOps(NamedTuple):
+    """The ops as their one overload each (``.default``: a call skips the packet's overload lookup)."""
+    add_rms_norm: Callable  # (x [.., n], residual [.., n], weight [n], eps) -> [out, x + residual]
+    rms_norm: Callable  # (x [.., n], weight [n], eps) -> out
+    rotate: Callable  # (x [T, heads, D], cos [T, 1, D/2], sin [T, 1, D/2]) -> rotated x
+    silu_mul: Callable  # (x [rows, 2n]) -> silu(x[:, :n]) * x[:, n:]
+
+
+@functools.lru_cache(maxsize=1)
+def _fused_ops() -> FusedOps | None:
+    ops = extension()
+    return None if ops is None else FusedOps(*(getattr(ops, name).default for name in FusedOps._fields))
+
+
+def ops_for(*tensors: torch.Tensor) -> FusedOps | None:
+    """The fused ops where they take these tensors (float32, CPU, no autograd), else None: the check
+    and the ops in one call."""
     grad = torch.is_grad_enabled()
     for t in tensors:
         if t.dtype != torch.float32 or not t.is_cpu or (grad and t.requires_grad):
-            return False
-    return extension() is not None
+            return None
+    return _fused_ops()
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the fused ops take these tensors (float32, CPU, no autograd)."""
+    return ops_for(*tensors) is not None
