@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from tree_runs import run_trees
 
 PROMPT_LEN, NEW_TOKENS = 100, 100
 
@@ -81,21 +79,10 @@ def run(args) -> list[dict]:
 
 
 def compare(args) -> None:
-    trees = dict(item.split("=", 1) for item in args.compare.split(","))
-    ext_root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "specdec" / "torch_extensions"
-    runs: dict[str, list[list[dict]]] = {name: [] for name in trees}
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(args.rounds):
-            for name, path in trees.items():
-                out = Path(tmp) / f"{name}-{round_}.json"
-                # a kernel folder per tree: one shared folder would rebuild the kernels at every switch
-                env = dict(os.environ, PYTHONPATH=str(Path(path).resolve()), OMP_NUM_THREADS="1",
-                           TORCH_EXTENSIONS_DIR=str(Path(ext_root) / f"forward_overhead-{name}"))
-                cmd = [sys.executable, __file__, "--quantizations", args.quantizations, "--repeats",
-                       str(args.repeats), "--out", str(out)] + (["--model", args.model] if args.model else [])
-                subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
-                runs[name].append(json.loads(out.read_text()))
-    names = list(trees)
+    argv = ["--quantizations", args.quantizations, "--repeats", str(args.repeats)] + (
+        ["--model", args.model] if args.model else [])
+    runs = run_trees(args.compare, args.rounds, __file__, argv, "forward_overhead")
+    names = list(runs)
     for r, first in enumerate(runs[names[0]][0]):
         cells = []
         for name in names:

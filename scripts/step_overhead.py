@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from tree_runs import run_trees
 
 PROMPTS = ["def f(x):", "import json", "class Decoder(object):", "    return value", "for i in range(10):",
            "if not isinstance(obj, dict):", "Hello", "x = [1, 2, 3]", "while True:\n    pass", "raise ValueError(msg)",
@@ -155,22 +153,9 @@ def compare(args) -> list[dict]:
     """Run this script on each tree in turn, ``rounds`` times (each in a fresh process, the trees
     alternating so a change in the machine's load falls on both), and summarise per method and
     batch: the median of the per-run means, and their range."""
-    trees = dict(item.split("=", 1) for item in args.compare.split(","))
-    runs: dict[str, list[list[dict]]] = {name: [] for name in trees}
-    ext_root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "specdec" / "torch_extensions"
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(args.rounds):
-            for name, path in trees.items():
-                out = Path(tmp) / f"{name}-{round_}.json"
-                # each tree builds its C++ kernels into a folder of its own (one shared folder would
-                # rebuild them at every switch)
-                env = dict(os.environ, PYTHONPATH=str(Path(path).resolve()), OMP_NUM_THREADS="1",
-                           TORCH_EXTENSIONS_DIR=str(Path(ext_root) / f"step_overhead-{name}"))
-                subprocess.run([sys.executable, __file__, "--methods", args.methods, "--batches", args.batches,
-                                "--max-tokens", str(args.max_tokens), "--out", str(out)],
-                               env=env, check=True, stdout=subprocess.DEVNULL)
-                runs[name].append(json.loads(out.read_text()))
-                print(f"round {round_ + 1}/{args.rounds}: {name} done", flush=True)
+    runs = run_trees(args.compare, args.rounds, __file__, ["--methods", args.methods, "--batches", args.batches,
+                                                            "--max-tokens", str(args.max_tokens)], "step_overhead")
+    trees = list(runs)
     summary = []
     columns = ("outside_cpu_us", "step_cpu_us", "forward_cpu_us", "outside_us", "tokens_per_step")
     for r, first in enumerate(runs[next(iter(trees))][0]):

@@ -13,8 +13,8 @@ MAX_TREE_TOPK = 8
 MAX_TREE_NODES = 64
 # "w8a8" / "w4a8": the int8 / int4 weights of "int8" / "int4" with int8 activations (CPU: VNNI or AVX2)
 QUANTIZATION_METHODS = (None, "int8", "int4", "w8a8", "w4a8", "int8_dynamic", "fp8")
-# a draft's LM head format (``draft_lm_head_quantization``), for a draft in one of the integer formats
-DRAFT_LM_HEAD_QUANTIZATIONS = ("int8", "int4")
+# an LM head's own weight format (``draft_lm_head_quantization``), for a model in one of the integer formats
+LM_HEAD_QUANTIZATIONS = ("int8", "int4")
 INTEGER_QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")
 ATTENTION_BACKENDS = ("auto", "reference", "torch", "rows", "triton")
 
@@ -108,9 +108,9 @@ class SpeculativeConfig:
         head = self.draft_lm_head_quantization
         if head is None:
             return
-        if head not in DRAFT_LM_HEAD_QUANTIZATIONS:
+        if head not in LM_HEAD_QUANTIZATIONS:
             raise ValueError(f"speculative_config.draft_lm_head_quantization must be one of "
-                             f"{DRAFT_LM_HEAD_QUANTIZATIONS} or None, got {head!r}")
+                             f"{LM_HEAD_QUANTIZATIONS} or None, got {head!r}")
         if not method.own_lm_head:
             raise ValueError(f"speculative_config.draft_lm_head_quantization applies to method "
                              f"{_either(n for n, m in registered_methods().items() if m.own_lm_head)} (a draft "

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.config import INTEGER_QUANTIZATIONS, LM_HEAD_QUANTIZATIONS
 from specdec.kernels.cpu import amx_cpu, woq_cpu
 from specdec.kernels.cpu.woq_format import (
     Int4Weight,
@@ -371,9 +372,6 @@ _LM_HEAD_QUANTIZATION = {"int4": Int8Linear, "w4a8": W8A8Linear}
 # format where it has them: (head format, int8 activations) -> layer
 _LM_HEAD_FORMATS = {("int8", False): Int8Linear, ("int4", False): Int4Linear,
                     ("int8", True): W8A8Linear, ("int4", True): W4A8Linear}
-LM_HEAD_QUANTIZATIONS = ("int8", "int4")
-# the formats whose LM head may take either of LM_HEAD_QUANTIZATIONS
-INTEGER_QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")
 _CPU_ONLY = ("int8_dynamic", "w8a8", "w4a8")
 
 

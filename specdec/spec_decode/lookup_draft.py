@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.spec_decode.plan import TreeBudget
-from specdec.spec_decode.proposer import DraftProposal, Proposer, TargetStates
+from specdec.spec_decode.proposer import DraftProposal, Proposer, TargetStates, TokenListProposer
 from specdec.worker.request_state import CachedRequestState
 
 LOOKUP_SOURCES = ("ngram", "suffix")
@@ -65,23 +65,23 @@ class PromptLookupOptions:
         return options
 
 
-def build_lookup(options: PromptLookupOptions, max_k: int):
+def build_lookup(options: PromptLookupOptions, max_k: int) -> TokenListProposer:
     """The token-list proposer ``options.source`` names, drafting up to ``max_k`` tokens."""
     if options.source == "suffix":
         from specdec.spec_decode.suffix import SuffixProposer
 
-        return SuffixProposer(max_k)
+        return TokenListProposer(SuffixProposer(max_k), "suffix")
     from specdec.spec_decode.ngram import NgramProposer
 
-    return NgramProposer(options.min_match, options.max_match, max_k)
+    return TokenListProposer(NgramProposer(options.min_match, options.max_match, max_k), "ngram")
 
 
 class LookupDraftProposer(Proposer):
     name = "draft_model_lookup"
 
-    def __init__(self, draft: Proposer, lookup, min_tokens: int):
+    def __init__(self, draft: Proposer, lookup: TokenListProposer, min_tokens: int):
         self.draft = draft  # chains only: a tree's drafts could not be mixed with a lookup chain
-        self.lookup = lookup  # ``propose(token_ids, num_tokens, request_ids) -> drafts`` (ngram.py, suffix.py)
+        self.lookup = lookup
         self.min_tokens = min_tokens
 
     def propose(self, requests: list[CachedRequestState], num_spec: list[int],
@@ -89,8 +89,8 @@ class LookupDraftProposer(Proposer):
                 ) -> DraftProposal:
         if not any(num_spec):
             return DraftProposal.empty(len(requests))
-        looked = self.lookup.propose([r.all_token_ids for r in requests], num_spec, [r.request_id for r in requests])
-        lookups = [list(d)[:k] if len(d) >= min(self.min_tokens, k) else [] for d, k in zip(looked, num_spec)]
+        looked = self.lookup.propose(requests, num_spec).draft_token_ids  # at most k tokens each
+        lookups = [d if len(d) >= min(self.min_tokens, k) else [] for d, k in zip(looked, num_spec)]
         model_ks = [0 if d else k for d, k in zip(lookups, num_spec)]
         proposal = self.draft.propose(requests, model_ks, tree_budget, grammar=grammar, target=target)
         if not any(lookups):
@@ -118,13 +118,11 @@ class LookupDraftProposer(Proposer):
 
     def on_request_finished(self, request: CachedRequestState) -> None:
         self.draft.on_request_finished(request)
-        self.lookup.on_request_finished(request.request_id, request.all_token_ids,
-                                        num_prompt_tokens=request.num_prompt_tokens)
+        self.lookup.on_request_finished(request)
 
     def reset_history(self) -> None:
         self.draft.reset_history()
-        if hasattr(self.lookup, "reset_history"):
-            self.lookup.reset_history()
+        self.lookup.reset_history()
 
 
 def validate(spec) -> None:
